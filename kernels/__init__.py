@@ -1,0 +1,1 @@
+"""Kernels: the native memory-mapped row gather (C++) and the row decoders."""

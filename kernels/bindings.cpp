@@ -1,0 +1,63 @@
+// The Python face of the native part: tables by handle, the row gather, and
+// counters.  Operators are registered in Python (ops/), on top of these.
+#include <torch/extension.h>
+
+#include "mapped_table.h"
+
+namespace py = pybind11;
+
+// setup.py and the import-time build pass the torch version they built against.
+#define PLE_STRINGIFY2(x) #x
+#define PLE_STRINGIFY(x) PLE_STRINGIFY2(x)
+
+namespace {
+
+std::shared_ptr<ple::MappedTable> table_of(int64_t handle) { return ple::find_table(handle); }
+
+int64_t open_table(const std::vector<std::string>& paths, const std::vector<int64_t>& shard_file,
+                   const std::vector<int64_t>& shard_offset, const std::vector<int64_t>& shard_rows,
+                   int64_t row_bytes) {
+  std::shared_ptr<ple::MappedTable> table;
+  {
+    py::gil_scoped_release no_gil;
+    table = std::make_shared<ple::MappedTable>(paths, shard_file, shard_offset, shard_rows, row_bytes);
+  }
+  return ple::register_table(std::move(table));
+}
+
+void configure(int64_t handle, const std::string& policy, uint64_t window_bytes, int threads) {
+  table_of(handle)->set_config({ple::parse_policy(policy), window_bytes, threads});
+}
+
+// ids: contiguous int32/int64 CPU tensor; out: contiguous uint8 CPU tensor of
+// ids.numel() * row_bytes bytes.  The caller (ops/) checks shapes and dtypes.
+void gather(int64_t handle, const torch::Tensor& ids, torch::Tensor& out) {
+  TORCH_CHECK(ids.device().is_cpu() && ids.is_contiguous(), "ids must be a contiguous CPU tensor");
+  TORCH_CHECK(ids.scalar_type() == torch::kInt64 || ids.scalar_type() == torch::kInt32,
+              "ids must be int32 or int64");
+  TORCH_CHECK(out.device().is_cpu() && out.is_contiguous() && out.scalar_type() == torch::kUInt8,
+              "out must be a contiguous uint8 CPU tensor");
+  auto table = table_of(handle);
+  TORCH_CHECK(out.numel() == ids.numel() * table->row_bytes(), "out has ", out.numel(),
+              " bytes, the rows need ", ids.numel() * table->row_bytes());
+  const void* id_data = ids.data_ptr();
+  uint8_t* out_data = out.data_ptr<uint8_t>();
+  const bool is_int64 = ids.scalar_type() == torch::kInt64;
+  py::gil_scoped_release no_gil;
+  ple::gather_rows(*table, id_data, is_int64, ids.numel(), out_data);
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "ple native part: memory-mapped tables and the windowed row gather";
+  py::register_exception<ple::OsError>(m, "NativeOSError", PyExc_OSError);
+  m.attr("torch_version") = PLE_STRINGIFY(PLE_TORCH_VERSION);
+  m.def("open_table", &open_table, "Maps a table's shards; returns its handle");
+  m.def("close_table", &ple::unregister_table, "Forgets a handle; unmaps when no gather holds it");
+  m.def("configure", &configure, "Sets policy, window (bytes) and threads");
+  m.def("gather", &gather, "Copies rows ids of a table into out");
+  m.def("stats", [](int64_t h) { return table_of(h)->counters().snapshot(); });
+  m.def("reset_stats", [](int64_t h) { table_of(h)->counters().reset(); });
+  m.def("drop_page_cache", [](int64_t h) { table_of(h)->drop_page_cache(); });
+}

@@ -1,0 +1,178 @@
+#include "mapped_table.h"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <unordered_map>
+
+namespace ple {
+
+namespace {
+
+std::string errno_text(const std::string& what, const std::string& path) {
+  return what + " " + path + ": " + std::strerror(errno);
+}
+
+MappedFile map_file(const std::string& path) {
+  MappedFile file;
+  file.path = path;
+  file.fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (file.fd < 0) throw OsError(errno_text("cannot open", path));
+  struct stat st;
+  if (::fstat(file.fd, &st) != 0) {
+    std::string msg = errno_text("cannot stat", path);
+    ::close(file.fd);
+    throw OsError(msg);
+  }
+  file.size = static_cast<uint64_t>(st.st_size);
+  if (file.size == 0) {
+    ::close(file.fd);
+    throw std::invalid_argument(path + ": file is empty");
+  }
+  void* base = ::mmap(nullptr, file.size, PROT_READ, MAP_SHARED, file.fd, 0);
+  if (base == MAP_FAILED) {
+    std::string msg = errno_text("cannot mmap", path);
+    ::close(file.fd);
+    throw OsError(msg);
+  }
+  // A fault then reads one page, not the device's read-ahead window around it.
+  ::madvise(base, file.size, MADV_RANDOM);
+  file.base = static_cast<uint8_t*>(base);
+  return file;
+}
+
+void unmap_file(MappedFile& file) {
+  if (file.base != nullptr) ::munmap(file.base, file.size);
+  if (file.fd >= 0) ::close(file.fd);
+  file.base = nullptr;
+  file.fd = -1;
+}
+
+std::mutex registry_mutex;
+std::unordered_map<int64_t, std::shared_ptr<MappedTable>> registry;
+int64_t next_handle = 1;
+
+}  // namespace
+
+Policy parse_policy(const std::string& name) {
+  if (name == "window") return Policy::kWindow;
+  if (name == "distance") return Policy::kDistance;
+  if (name == "all") return Policy::kAll;
+  if (name == "none") return Policy::kNone;
+  throw std::invalid_argument("unknown prefetch policy '" + name +
+                              "' (expected window, distance, all or none)");
+}
+
+std::map<std::string, uint64_t> GatherCounters::snapshot() const {
+  return {
+      {"calls", calls.load()},
+      {"rows", rows.load()},
+      {"unique_pages", unique_pages.load()},
+      {"advised_pages", advised_pages.load()},
+      {"resident_pages", resident_pages.load()},
+      {"evicted_before_copy", evicted_before_copy.load()},
+      {"max_advised_ahead_bytes", max_advised_ahead_bytes.load()},
+      {"bytes_copied", bytes_copied.load()},
+      {"major_faults", major_faults.load()},
+      {"minor_faults", minor_faults.load()},
+      {"gather_ns", gather_ns.load()},
+  };
+}
+
+void GatherCounters::reset() {
+  for (auto* c : {&calls, &rows, &unique_pages, &advised_pages, &resident_pages,
+                  &evicted_before_copy, &max_advised_ahead_bytes, &bytes_copied,
+                  &major_faults, &minor_faults, &gather_ns}) {
+    c->store(0);
+  }
+}
+
+MappedTable::MappedTable(const std::vector<std::string>& paths,
+                         const std::vector<int64_t>& shard_file,
+                         const std::vector<int64_t>& shard_offset,
+                         const std::vector<int64_t>& shard_rows,
+                         int64_t row_bytes)
+    : row_bytes_(row_bytes) {
+  if (shard_file.empty() || shard_file.size() != shard_offset.size() ||
+      shard_file.size() != shard_rows.size()) {
+    throw std::invalid_argument("a table needs one file, offset and row count per shard");
+  }
+  if (row_bytes <= 0) throw std::invalid_argument("row_bytes must be positive");
+  try {
+    for (const auto& path : paths) files_.push_back(map_file(path));
+    for (size_t i = 0; i < shard_file.size(); ++i) {
+      const MappedFile& file = files_.at(shard_file[i]);
+      const uint64_t begin = static_cast<uint64_t>(shard_offset[i]);
+      const uint64_t bytes = static_cast<uint64_t>(shard_rows[i]) * row_bytes;
+      if (shard_offset[i] < 0 || shard_rows[i] < 0 || begin + bytes > file.size) {
+        throw std::invalid_argument(
+            file.path + ": shard " + std::to_string(i) + " (bytes " +
+            std::to_string(begin) + " to " + std::to_string(begin + bytes) +
+            ") runs past the end of the file (" + std::to_string(file.size) +
+            " bytes)");
+      }
+      shards_.push_back({file.base + begin, shard_rows[i]});
+      num_rows_ += shard_rows[i];
+    }
+  } catch (...) {
+    for (auto& file : files_) unmap_file(file);
+    throw;
+  }
+  rows_per_shard_ = shards_.front().rows > 0 ? shards_.front().rows : 1;
+}
+
+MappedTable::~MappedTable() {
+  for (auto& file : files_) unmap_file(file);
+}
+
+GatherConfig MappedTable::config() const {
+  std::lock_guard<std::mutex> lock(config_mutex_);
+  return config_;
+}
+
+void MappedTable::set_config(const GatherConfig& config) {
+  if (config.threads < 1) throw std::invalid_argument("threads must be at least 1");
+  std::lock_guard<std::mutex> lock(config_mutex_);
+  config_ = config;
+}
+
+void MappedTable::drop_page_cache() {
+  for (auto& file : files_) {
+    // Clean pages still mapped by this process are not dropped by fadvise.
+    ::madvise(file.base, file.size, MADV_DONTNEED);
+    ::posix_fadvise(file.fd, 0, 0, POSIX_FADV_DONTNEED);
+  }
+}
+
+int64_t register_table(std::shared_ptr<MappedTable> table) {
+  std::lock_guard<std::mutex> lock(registry_mutex);
+  const int64_t handle = next_handle++;
+  registry.emplace(handle, std::move(table));
+  return handle;
+}
+
+std::shared_ptr<MappedTable> find_table(int64_t handle) {
+  std::lock_guard<std::mutex> lock(registry_mutex);
+  auto it = registry.find(handle);
+  if (it == registry.end()) {
+    throw std::invalid_argument("no open ple table has handle " + std::to_string(handle) +
+                                " (closed, or never opened)");
+  }
+  return it->second;
+}
+
+void unregister_table(int64_t handle) {
+  std::shared_ptr<MappedTable> table;  // destroyed outside the lock
+  std::lock_guard<std::mutex> lock(registry_mutex);
+  auto it = registry.find(handle);
+  if (it != registry.end()) {
+    table = std::move(it->second);
+    registry.erase(it);
+  }
+}
+
+}  // namespace ple

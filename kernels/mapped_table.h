@@ -1,0 +1,113 @@
+// A table of fixed-size rows that lives in memory-mapped checkpoint files.
+//
+// The rows of a table are the concatenation of one or more shards; each shard
+// is a contiguous run of rows at some offset of some file.  Files are mapped
+// whole, read-only and shared, and advised MADV_RANDOM so that a fault reads
+// one page instead of the device's read-ahead window.  Nothing is copied into
+// anonymous memory: the page cache holds whatever the gather brought in.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+namespace ple {
+
+// An error of the operating system (open, mmap, ...) that Python sees as OSError.
+struct OsError : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+enum class Policy { kWindow, kDistance, kAll, kNone };
+
+Policy parse_policy(const std::string& name);
+
+struct GatherConfig {
+  Policy policy = Policy::kWindow;
+  uint64_t window_bytes = 4096 * 1024;
+  int threads = 1;
+};
+
+struct MappedFile {
+  std::string path;
+  int fd = -1;
+  uint8_t* base = nullptr;
+  uint64_t size = 0;
+};
+
+struct Shard {
+  const uint8_t* data;  // first byte of the shard's first row
+  int64_t rows;
+};
+
+// Cumulative counters of every gather on a table; see README "Counters".
+struct GatherCounters {
+  std::atomic<uint64_t> calls{0}, rows{0}, unique_pages{0}, advised_pages{0},
+      resident_pages{0}, evicted_before_copy{0}, max_advised_ahead_bytes{0},
+      bytes_copied{0}, major_faults{0}, minor_faults{0}, gather_ns{0};
+
+  std::map<std::string, uint64_t> snapshot() const;
+  void reset();
+};
+
+class MappedTable {
+ public:
+  // shard_file[i] indexes paths; shard_offset[i] is the byte offset of shard
+  // i's first row in that file.  Every shard but the last has the same number
+  // of rows; the caller has checked the layout, this checks the files.
+  MappedTable(const std::vector<std::string>& paths,
+              const std::vector<int64_t>& shard_file,
+              const std::vector<int64_t>& shard_offset,
+              const std::vector<int64_t>& shard_rows, int64_t row_bytes);
+  ~MappedTable();
+  MappedTable(const MappedTable&) = delete;
+  MappedTable& operator=(const MappedTable&) = delete;
+
+  int64_t num_rows() const { return num_rows_; }
+  int64_t row_bytes() const { return row_bytes_; }
+
+  const uint8_t* row_address(int64_t id) const {
+    int64_t shard = id / rows_per_shard_;
+    if (shard >= static_cast<int64_t>(shards_.size())) shard = shards_.size() - 1;
+    return shards_[shard].data + (id - shard * rows_per_shard_) * row_bytes_;
+  }
+
+  GatherConfig config() const;
+  void set_config(const GatherConfig& config);
+
+  GatherCounters& counters() { return counters_; }
+
+  // Drops this table's pages from the page cache: unmaps them from this
+  // process, then asks the kernel to forget the files' clean pages.  Pages
+  // that another mapping holds stay.
+  void drop_page_cache();
+
+ private:
+  std::vector<MappedFile> files_;
+  std::vector<Shard> shards_;
+  int64_t rows_per_shard_ = 0;
+  int64_t num_rows_ = 0;
+  int64_t row_bytes_ = 0;
+  mutable std::mutex config_mutex_;
+  GatherConfig config_;
+  GatherCounters counters_;
+};
+
+// Tables are reached from Python and from operators by an integer handle.  A
+// gather holds a shared_ptr, so closing a table while it is being gathered
+// from only unmaps it when that gather is done.
+int64_t register_table(std::shared_ptr<MappedTable> table);
+std::shared_ptr<MappedTable> find_table(int64_t handle);  // throws if unknown
+void unregister_table(int64_t handle);
+
+// Copies the rows `ids` (int32 or int64, n of them) into `out`, row i of the
+// request at out + i * row_bytes.  Validates every id before writing.
+void gather_rows(MappedTable& table, const void* ids, bool ids_are_int64,
+                 int64_t n, uint8_t* out);
+
+}  // namespace ple

@@ -1,0 +1,269 @@
+// The windowed row gather: copies requested rows out of a MappedTable in
+// ascending address order while keeping a bounded amount of MADV_WILLNEED
+// advice ahead of the copy.  See README "Prefetch policies" for why.
+#include <sys/mman.h>
+#include <sys/resource.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+#include <string>
+#include <thread>
+
+#include "mapped_table.h"
+
+namespace ple {
+
+namespace {
+
+// Below this many rows per thread, starting a thread costs more than it saves.
+constexpr int64_t kMinRowsPerThread = 256;
+
+const uintptr_t kPage = static_cast<uintptr_t>(::sysconf(_SC_PAGESIZE));
+
+struct RowRef {
+  uintptr_t address;
+  int64_t position;  // index in the request
+};
+
+struct ChunkCounters {
+  uint64_t unique_pages = 0, advised_pages = 0, resident_pages = 0,
+           evicted_before_copy = 0, max_advised_ahead_bytes = 0,
+           major_faults = 0, minor_faults = 0;
+};
+
+enum PageState : uint8_t { kUnseen, kResident, kAdvised, kAdvisedChecked };
+
+bool page_resident(uintptr_t page) {
+  unsigned char vec = 0;
+  // An error here only costs an advice that was not needed.
+  return ::mincore(reinterpret_cast<void*>(page), kPage, &vec) == 0 && (vec & 1);
+}
+
+// Collects address-adjacent pages so that a run of them costs one madvise.
+class AdviceRun {
+ public:
+  void add(uintptr_t page) {
+    if (length_ != 0 && page != start_ + length_) flush();
+    if (length_ == 0) start_ = page;
+    length_ += kPage;
+  }
+  void flush() {
+    // A failed advice changes speed, never bytes.
+    if (length_ != 0) ::madvise(reinterpret_cast<void*>(start_), length_, MADV_WILLNEED);
+    length_ = 0;
+  }
+
+ private:
+  uintptr_t start_ = 0;
+  uintptr_t length_ = 0;
+};
+
+// Gathers rows[0, n), which are sorted by address and share no page with rows
+// outside the chunk, on the calling thread.
+class ChunkGather {
+ public:
+  ChunkGather(const RowRef* rows, int64_t n, int64_t row_bytes, uint8_t* out,
+              const GatherConfig& config)
+      : rows_(rows), n_(n), row_bytes_(row_bytes), out_(out), config_(config) {
+    list_pages();
+  }
+
+  ChunkCounters run() {
+    struct rusage before, after;
+    ::getrusage(RUSAGE_THREAD, &before);
+    const bool advise = config_.policy != Policy::kNone && config_.window_bytes > 0;
+    if (!advise) {
+      for (int64_t k = 0; k < n_; ++k) copy_row(k);
+    } else if (config_.policy == Policy::kAll) {
+      advise_all();
+    } else {
+      advise_ahead();
+    }
+    ::getrusage(RUSAGE_THREAD, &after);
+    counters_.unique_pages = pages_.size();
+    counters_.major_faults = after.ru_majflt - before.ru_majflt;
+    counters_.minor_faults = after.ru_minflt - before.ru_minflt;
+    return counters_;
+  }
+
+ private:
+  // The distinct pages under the rows, ascending, and each row's first one.
+  void list_pages() {
+    pages_.reserve(n_);
+    first_page_.resize(n_);
+    for (int64_t k = 0; k < n_; ++k) {
+      const uintptr_t first = rows_[k].address & ~(kPage - 1);
+      const uintptr_t last = (rows_[k].address + row_bytes_ - 1) & ~(kPage - 1);
+      const uintptr_t from = pages_.empty() ? first : std::max(first, pages_.back() + kPage);
+      for (uintptr_t page = from; page <= last; page += kPage) pages_.push_back(page);
+      // All pages first..last are now the last entries of pages_.
+      first_page_[k] = pages_.size() - 1 - (last - first) / kPage;
+    }
+    state_.assign(pages_.size(), kUnseen);
+  }
+
+  // Looks at page i; advises it unless mincore says it is resident.
+  void consider(size_t i, AdviceRun& run) {
+    if (page_resident(pages_[i])) {
+      state_[i] = kResident;
+      ++counters_.resident_pages;
+      return;
+    }
+    state_[i] = kAdvised;
+    ++counters_.advised_pages;
+    advised_ahead_ += kPage;
+    run.add(pages_[i]);
+  }
+
+  // The old operator: advise every cold page of the request, then copy.
+  void advise_all() {
+    AdviceRun run;
+    for (size_t i = 0; i < pages_.size(); ++i) consider(i, run);
+    run.flush();
+    counters_.max_advised_ahead_bytes = advised_ahead_;
+    for (int64_t k = 0; k < n_; ++k) copy_row(k);
+  }
+
+  // "window": advice while the advised-not-yet-copied bytes stay within the
+  // budget.  "distance": advice for pages less than the window ahead of the
+  // copy address, however many that is.
+  void advise_ahead() {
+    const bool by_budget = config_.policy == Policy::kWindow;
+    const uint64_t window = config_.window_bytes;
+    size_t next = 0;     // first page not yet considered
+    size_t retired = 0;  // pages before this one have been copied
+    for (int64_t k = 0; k < n_; ++k) {
+      for (; retired < first_page_[k]; ++retired) {
+        if (state_[retired] >= kAdvised) advised_ahead_ -= kPage;
+      }
+      AdviceRun run;
+      if (by_budget) {
+        while (next < pages_.size() && advised_ahead_ + kPage <= window) consider(next++, run);
+      } else {
+        const uintptr_t limit = rows_[k].address + window;
+        while (next < pages_.size() && pages_[next] < limit) consider(next++, run);
+      }
+      run.flush();
+      counters_.max_advised_ahead_bytes =
+          std::max<uint64_t>(counters_.max_advised_ahead_bytes, advised_ahead_);
+      copy_row(k);
+    }
+  }
+
+  // Counts advised pages of row k that were reclaimed before the copy got
+  // there, then copies the row.
+  void copy_row(int64_t k) {
+    const size_t last = first_page_[k] + (((rows_[k].address & (kPage - 1)) + row_bytes_ - 1) / kPage);
+    for (size_t i = first_page_[k]; i <= last; ++i) {
+      if (state_[i] != kAdvised) continue;
+      state_[i] = kAdvisedChecked;
+      if (!page_resident(pages_[i])) ++counters_.evicted_before_copy;
+    }
+    std::memcpy(out_ + rows_[k].position * row_bytes_,
+                reinterpret_cast<const void*>(rows_[k].address), row_bytes_);
+  }
+
+  const RowRef* rows_;
+  int64_t n_;
+  int64_t row_bytes_;
+  uint8_t* out_;
+  GatherConfig config_;
+  std::vector<uintptr_t> pages_;
+  std::vector<size_t> first_page_;
+  std::vector<uint8_t> state_;
+  uint64_t advised_ahead_ = 0;
+  ChunkCounters counters_;
+};
+
+template <typename Id>
+void validate_and_address(const MappedTable& table, const Id* ids, int64_t n,
+                          std::vector<RowRef>& rows) {
+  const int64_t num_rows = table.num_rows();
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t id = static_cast<int64_t>(ids[i]);
+    if (id < 0 || id >= num_rows) {
+      throw std::out_of_range("row id " + std::to_string(id) + " at position " +
+                              std::to_string(i) + " is out of range [0, " +
+                              std::to_string(num_rows) + ")");
+    }
+  }
+  rows.resize(n);
+  for (int64_t i = 0; i < n; ++i) {
+    rows[i] = {reinterpret_cast<uintptr_t>(table.row_address(static_cast<int64_t>(ids[i]))), i};
+  }
+}
+
+// Splits sorted rows into at most `threads` chunks of similar size whose
+// pages do not overlap, so that no page is advised or counted twice.
+std::vector<int64_t> chunk_starts(const std::vector<RowRef>& rows, int64_t row_bytes,
+                                  int threads) {
+  const int64_t n = rows.size();
+  const int64_t chunks = std::max<int64_t>(1, std::min<int64_t>(threads, n / kMinRowsPerThread));
+  std::vector<int64_t> starts{0};
+  for (int64_t c = 1; c < chunks; ++c) {
+    int64_t start = std::max(n * c / chunks, starts.back() + 1);
+    while (start < n && ((rows[start].address & ~(kPage - 1)) <=
+                         ((rows[start - 1].address + row_bytes - 1) & ~(kPage - 1)))) {
+      ++start;
+    }
+    if (start >= n) break;
+    starts.push_back(start);
+  }
+  starts.push_back(n);
+  return starts;
+}
+
+}  // namespace
+
+void gather_rows(MappedTable& table, const void* ids, bool ids_are_int64, int64_t n,
+                 uint8_t* out) {
+  const auto t0 = std::chrono::steady_clock::now();
+  std::vector<RowRef> rows;
+  if (ids_are_int64) {
+    validate_and_address(table, static_cast<const int64_t*>(ids), n, rows);
+  } else {
+    validate_and_address(table, static_cast<const int32_t*>(ids), n, rows);
+  }
+  std::sort(rows.begin(), rows.end(), [](const RowRef& a, const RowRef& b) {
+    return a.address != b.address ? a.address < b.address : a.position < b.position;
+  });
+
+  const GatherConfig config = table.config();
+  const int64_t row_bytes = table.row_bytes();
+  const std::vector<int64_t> starts = chunk_starts(rows, row_bytes, config.threads);
+  const size_t chunks = starts.size() - 1;
+  std::vector<ChunkCounters> results(chunks);
+  auto run_chunk = [&](size_t c) {
+    ChunkGather gather(rows.data() + starts[c], starts[c + 1] - starts[c], row_bytes, out, config);
+    results[c] = gather.run();
+  };
+  std::vector<std::thread> workers;
+  for (size_t c = 1; c < chunks; ++c) workers.emplace_back(run_chunk, c);
+  if (chunks > 0) run_chunk(0);
+  for (auto& worker : workers) worker.join();
+
+  GatherCounters& counters = table.counters();
+  uint64_t max_ahead = 0;
+  for (const ChunkCounters& r : results) {
+    counters.unique_pages += r.unique_pages;
+    counters.advised_pages += r.advised_pages;
+    counters.resident_pages += r.resident_pages;
+    counters.evicted_before_copy += r.evicted_before_copy;
+    counters.major_faults += r.major_faults;
+    counters.minor_faults += r.minor_faults;
+    max_ahead = std::max(max_ahead, r.max_advised_ahead_bytes);
+  }
+  uint64_t seen = counters.max_advised_ahead_bytes.load();
+  while (max_ahead > seen && !counters.max_advised_ahead_bytes.compare_exchange_weak(seen, max_ahead)) {
+  }
+  counters.calls += 1;
+  counters.rows += n;
+  counters.bytes_copied += static_cast<uint64_t>(n) * row_bytes;
+  counters.gather_ns += std::chrono::duration_cast<std::chrono::nanoseconds>(
+                            std::chrono::steady_clock::now() - t0)
+                            .count();
+}
+
+}  // namespace ple

@@ -1,0 +1,53 @@
+"""``torch.ops.ple.disk_gather`` and ``torch.ops.ple.disk_gather_bytes``.
+
+Both take ids of any shape and a table handle (``ple.Table.handle``) and
+return new tensors ``[*ids.shape, ...]``; the CPU kernels run the native
+windowed gather, ``disk_gather`` then decodes the rows.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ple.formats import OUTPUT_DTYPES
+from ple.kernels.decode import decode_rows
+from ple.table import Table, table_for_handle
+
+_lib = torch.library.Library("ple", "DEF")
+_lib.define("disk_gather_bytes(Tensor ids, int table) -> Tensor")
+_lib.define("disk_gather(Tensor ids, int table, ScalarType? dtype=None) -> Tensor")
+
+
+def _checked(ids: torch.Tensor, handle: int, dtype: torch.dtype | None = None
+             ) -> tuple[Table, torch.dtype]:
+    table = table_for_handle(handle)
+    if ids.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"ple.disk_gather: ids must be an int32 or int64 tensor, not {ids.dtype}")
+    dtype = table.dtype if dtype is None else dtype
+    if dtype not in OUTPUT_DTYPES:
+        raise TypeError(f"ple.disk_gather: dtype must be one of {OUTPUT_DTYPES}, not {dtype}")
+    return table, dtype
+
+
+@torch.library.impl(_lib, "disk_gather_bytes", "CPU")
+def _disk_gather_bytes_cpu(ids: torch.Tensor, table: int) -> torch.Tensor:
+    checked, _ = _checked(ids, table)
+    return checked.gather_bytes(ids)
+
+
+@torch.library.impl(_lib, "disk_gather", "CPU")
+def _disk_gather_cpu(ids: torch.Tensor, table: int, dtype: torch.dtype | None = None) -> torch.Tensor:
+    checked, dtype = _checked(ids, table, dtype)
+    return decode_rows(checked.gather_bytes(ids), checked.row_format, checked.scale, dtype)
+
+
+@torch.library.register_fake("ple::disk_gather_bytes", lib=_lib)
+def _disk_gather_bytes_fake(ids: torch.Tensor, table: int) -> torch.Tensor:
+    checked, _ = _checked(ids, table)
+    return ids.new_empty((*ids.shape, checked.row_bytes), dtype=torch.uint8)
+
+
+@torch.library.register_fake("ple::disk_gather", lib=_lib)
+def _disk_gather_fake(ids: torch.Tensor, table: int, dtype: torch.dtype | None = None) -> torch.Tensor:
+    checked, dtype = _checked(ids, table, dtype)
+    return ids.new_empty((*ids.shape, checked.cols), dtype=dtype)

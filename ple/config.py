@@ -1,0 +1,49 @@
+"""How the gather reads: prefetch policy, window and threads."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass
+from typing import ClassVar
+
+POLICIES = ("window", "distance", "all", "none")
+
+
+@dataclass(frozen=True)
+class GatherConfig:
+    """Settings of a table's gather.
+
+    policy: "window" (default) keeps at most ``prefetch_window_kib`` of pages
+        advised and not yet copied; "distance" advises pages less than
+        ``prefetch_window_kib`` ahead of the copy address (the seed's rule);
+        "all" advises every cold page first (the seed's old operator);
+        "none" never advises.
+    prefetch_window_kib: the window; 0 means no advice at all.
+    threads: a request of at least 256 rows per thread is split by address
+        range over this many threads, each with its own window.
+    """
+
+    policy: str = "window"
+    prefetch_window_kib: int = 4096
+    threads: int = 4
+
+    # Fields that change how rows are read but never which bytes come back.
+    IO_ONLY_FIELDS: ClassVar[frozenset[str]] = frozenset(
+        {"policy", "prefetch_window_kib", "threads"})
+
+    def __post_init__(self):
+        if self.policy not in POLICIES:
+            raise ValueError(f"unknown prefetch policy {self.policy!r}; expected one of {POLICIES}")
+        for name, least in (("prefetch_window_kib", 0), ("threads", 1)):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise ValueError(f"{name} must be an int, got {value!r}")
+            if value < least:
+                raise ValueError(f"{name} must be at least {least}, got {value}")
+
+    def compute_hash(self) -> str:
+        """A hash of the fields that can change results (none of the I/O fields),
+        for callers that key compiled artifacts or caches on the config."""
+        result_fields = {k: v for k, v in asdict(self).items() if k not in self.IO_ONLY_FIELDS}
+        return hashlib.sha256(json.dumps(result_fields, sort_keys=True).encode()).hexdigest()

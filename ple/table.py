@@ -1,0 +1,265 @@
+"""Tables: row-major embedding tables that stay in their checkpoint files."""
+
+from __future__ import annotations
+
+import errno
+import os
+import re
+import weakref
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Union
+
+import torch
+
+from .kernels.native import native
+
+from .config import GatherConfig
+from .formats import BY_SAFETENSORS_DTYPE, FORMATS, RowFormat
+from .safetensors_header import TensorEntry, read_header
+
+PathsLike = Union[str, os.PathLike, Iterable[Union[str, os.PathLike]]]
+
+SHARD_NAME = re.compile(r"^(?P<prefix>.+)\.shard_(?P<index>\d+)\.weight$")
+SCALE_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+
+# Open tables by handle, for the operators; a table that is dropped closes.
+_open_tables: "weakref.WeakValueDictionary[int, Table]" = weakref.WeakValueDictionary()
+
+
+def table_for_handle(handle: int) -> "Table":
+    table = _open_tables.get(handle)
+    if table is None:
+        raise ValueError(f"no open ple table has handle {handle} (closed, or never opened)")
+    return table
+
+
+def _resolve_paths(paths: PathsLike) -> list[Path]:
+    items = [paths] if isinstance(paths, (str, os.PathLike)) else list(paths)
+    files: list[Path] = []
+    for item in items:
+        path = Path(item)
+        if path.is_dir():
+            found = sorted(path.glob("*.safetensors"))
+            if not found:
+                raise FileNotFoundError(errno.ENOENT, "no *.safetensors files in directory", str(path))
+            files.extend(found)
+        elif path.exists():
+            files.append(path)
+        else:
+            raise FileNotFoundError(errno.ENOENT, "no such table file", str(path))
+    if not files:
+        raise ValueError("no table files given")
+    return files
+
+
+def _read_entries(files: list[Path]) -> dict[str, TensorEntry]:
+    entries: dict[str, TensorEntry] = {}
+    for path in files:
+        for name, entry in read_header(path).items():
+            if name in entries:
+                raise ValueError(f"tensor {name!r} is in both {entries[name].path} and {path}")
+            entries[name] = entry
+    return entries
+
+
+def _shard_families(entries: dict[str, TensorEntry]) -> dict[str, dict[int, TensorEntry]]:
+    families: dict[str, dict[int, TensorEntry]] = {}
+    for name, entry in entries.items():
+        match = SHARD_NAME.match(name)
+        if match:
+            families.setdefault(match["prefix"], {})[int(match["index"])] = entry
+    return families
+
+
+def _select(entries, families, tensor, files) -> tuple[str, list[TensorEntry], str]:
+    """The chosen table: its name, its shards in row order, its scale tensor's name."""
+    where = ", ".join(str(f) for f in files)
+    if tensor is None:
+        in_family = {e.name for family in families.values() for e in family.values()}
+        candidates = sorted(families) + sorted(
+            name for name, e in entries.items() if len(e.shape) == 2 and name not in in_family)
+        if len(candidates) != 1:
+            raise ValueError(f"{where}: {len(candidates)} candidate tables {candidates}; "
+                             "pass tensor= to choose one")
+        tensor = candidates[0]
+    if tensor in families:
+        family = families[tensor]
+        missing = sorted(set(range(max(family) + 1)) - set(family))
+        if missing:
+            raise ValueError(f"{where}: shard gap in {tensor!r}: shard {missing[0]} is missing "
+                             f"(found shards {sorted(family)})")
+        return tensor, [family[i] for i in range(len(family))], f"{tensor}.weight_scale"
+    if tensor in entries:
+        return tensor, [entries[tensor]], f"{tensor}_scale"
+    raise ValueError(f"{where}: no tensor or shard family named {tensor!r}")
+
+
+def _check_shards(name: str, shards: list[TensorEntry]) -> None:
+    first = shards[0]
+    for shard in shards:
+        if len(shard.shape) != 2:
+            raise ValueError(f"{shard.path}: tensor {shard.name!r} of {name!r} is not 2-D "
+                             f"(shape {list(shard.shape)})")
+        if shard.dtype != first.dtype or shard.shape[1] != first.shape[1]:
+            raise ValueError(
+                f"{shard.path}: tensor {shard.name!r} is {shard.dtype} {list(shard.shape)}, but "
+                f"{first.name!r} in {first.path} is {first.dtype} {list(first.shape)}: shards of "
+                "one table need the same dtype and width")
+    for shard in shards[1:-1]:
+        if shard.shape[0] != first.shape[0]:
+            raise ValueError(
+                f"{shard.path}: tensor {shard.name!r} has {shard.shape[0]} rows, but "
+                f"{first.name!r} has {first.shape[0]}: every shard but the last has the same rows")
+    last = shards[-1]
+    if len(shards) > 1 and last.shape[0] > first.shape[0]:
+        raise ValueError(f"{last.path}: last shard {last.name!r} has {last.shape[0]} rows, more "
+                         f"than {first.name!r} ({first.shape[0]})")
+    if first.dtype not in BY_SAFETENSORS_DTYPE:
+        raise ValueError(f"{first.path}: tensor {first.name!r}: dtype {first.dtype} is not a "
+                         f"supported row format ({', '.join(BY_SAFETENSORS_DTYPE)})")
+    if first.shape[1] == 0:
+        raise ValueError(f"{first.path}: tensor {first.name!r} has rows of no values")
+
+
+def _read_scale(entry: TensorEntry) -> float:
+    if entry.dtype not in SCALE_DTYPES or entry.nbytes != SCALE_DTYPES[entry.dtype].itemsize:
+        raise ValueError(f"{entry.path}: scale tensor {entry.name!r} must hold one F32, F16 or "
+                         f"BF16 value, not {entry.dtype} {list(entry.shape)}")
+    with open(entry.path, "rb") as f:
+        f.seek(entry.offset)
+        raw = bytearray(f.read(entry.nbytes))
+    return torch.frombuffer(raw, dtype=SCALE_DTYPES[entry.dtype]).item()
+
+
+class Table:
+    """A table whose rows stay in their files, read by ``torch.ops.ple`` operators.
+
+    Open one with :meth:`from_safetensors`.  ``handle`` is the int the operators
+    take.  Close it (or use it as a context manager) to unmap its files.
+    """
+
+    def __init__(self, name: str, shards: list[TensorEntry], fmt: RowFormat, scale: float,
+                 config: GatherConfig):
+        self.name = name
+        self.format = fmt.name
+        self.row_format = fmt
+        self.scale = scale
+        self.cols = shards[0].shape[1]
+        self.row_bytes = self.cols * fmt.itemsize
+        self.num_rows = sum(s.shape[0] for s in shards)
+        self.shard_rows = [s.shape[0] for s in shards]
+        self.paths = list(dict.fromkeys(s.path for s in shards))
+        file_index = {path: i for i, path in enumerate(self.paths)}
+        self._handle = native.open_table(
+            [str(p) for p in self.paths], [file_index[s.path] for s in shards],
+            [s.offset for s in shards], self.shard_rows, self.row_bytes)
+        self._config = config
+        self._push_config()
+        _open_tables[self._handle] = self
+
+    @classmethod
+    def from_safetensors(cls, paths: PathsLike, tensor: str | None = None,
+                         config: GatherConfig | None = None, *, scale: float | None = None
+                         ) -> "Table":
+        """Opens a table from safetensors files without reading its rows.
+
+        ``paths``: a file, a list of files, or a directory of ``*.safetensors``.
+        ``tensor``: a 2-D tensor's name, or the prefix of a shard family
+        ``<prefix>.shard_{i}.weight``; optional when there is only one.
+        ``scale``: multiplies fp8/u8/i8 values when the files hold no
+        ``<prefix>.weight_scale`` / ``<tensor>_scale`` tensor.
+        """
+        files = _resolve_paths(paths)
+        entries = _read_entries(files)
+        name, shards, scale_name = _select(entries, _shard_families(entries), tensor, files)
+        _check_shards(name, shards)
+        fmt = BY_SAFETENSORS_DTYPE[shards[0].dtype]
+        file_scale = _read_scale(entries[scale_name]) if scale_name in entries else None
+        if not fmt.scaled and (scale is not None or file_scale is not None):
+            raise ValueError(f"{shards[0].path}: {name!r} holds {fmt.name} rows, which are not "
+                             "scaled; scales apply to fp8_e4m3fn, u8 and i8 rows")
+        if file_scale is not None and scale is not None and file_scale != scale:
+            raise ValueError(f"{entries[scale_name].path}: {scale_name!r} is {file_scale}, "
+                             f"but scale={scale} was given")
+        resolved = file_scale if file_scale is not None else 1.0 if scale is None else float(scale)
+        return cls(name, shards, fmt, resolved, config or GatherConfig())
+
+    @property
+    def handle(self) -> int:
+        if self._handle is None:
+            raise ValueError(f"table {self.name!r} is closed")
+        return self._handle
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype disk_gather returns when none is asked for."""
+        return self.row_format.default_dtype
+
+    @property
+    def config(self) -> GatherConfig:
+        return self._config
+
+    @config.setter
+    def config(self, config: GatherConfig) -> None:
+        if not isinstance(config, GatherConfig):
+            raise TypeError(f"config must be a ple.GatherConfig, not {type(config).__name__}")
+        self._config = config
+        self._push_config()
+
+    def _push_config(self) -> None:
+        c = self._config
+        native.configure(self.handle, c.policy, c.prefetch_window_kib * 1024, c.threads)
+
+    def gather_bytes(self, ids, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The raw rows ``ids`` as uint8 ``[*ids.shape, row_bytes]``, written
+        into ``out`` when given.  Every id is checked before anything is written."""
+        ids = torch.as_tensor(ids)
+        if ids.dtype not in (torch.int32, torch.int64):
+            raise TypeError(f"ple: ids must be an int32 or int64 tensor, not {ids.dtype}")
+        if ids.device.type != "cpu":
+            raise ValueError(f"ple: gather_bytes reads ids on the CPU, not {ids.device}")
+        shape = (*ids.shape, self.row_bytes)
+        if out is None:
+            out = torch.empty(shape, dtype=torch.uint8)
+        elif (out.dtype != torch.uint8 or tuple(out.shape) != shape or out.device.type != "cpu"
+              or not out.is_contiguous()):
+            raise ValueError(f"ple: out must be a contiguous CPU uint8 tensor of shape "
+                             f"{list(shape)}, not {out.dtype} {list(out.shape)} on {out.device}")
+        native.gather(self.handle, ids.reshape(-1).contiguous(), out)
+        return out
+
+    def stats(self) -> dict[str, int]:
+        """Cumulative counters of every gather on this table (README "Counters")."""
+        return dict(native.stats(self.handle))
+
+    def reset_stats(self) -> None:
+        native.reset_stats(self.handle)
+
+    def drop_page_cache(self) -> None:
+        """Evicts this table's pages from the page cache (for cold benchmarks);
+        pages that another process or table maps stay."""
+        native.drop_page_cache(self.handle)
+
+    def close(self) -> None:
+        """Unmaps the files; a gather in progress on another thread finishes first."""
+        if self._handle is not None:
+            _open_tables.pop(self._handle, None)
+            native.close_table(self._handle)
+            self._handle = None
+
+    def __enter__(self) -> "Table":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self):
+        # At interpreter exit the native module may already be gone.
+        if getattr(self, "_handle", None) is not None and native is not None:
+            native.close_table(self._handle)
+
+    def __repr__(self) -> str:
+        state = "closed" if self._handle is None else f"handle={self._handle}"
+        return (f"ple.Table({self.name!r}, {self.num_rows} rows x {self.cols} {self.format}, "
+                f"{len(self.shard_rows)} shard(s), scale={self.scale}, {state})")

@@ -1,0 +1,26 @@
+"""Builds ple and its CPU-only native part against the torch already installed:
+
+    pip install --no-build-isolation .
+"""
+
+import torch
+from setuptools import setup
+from torch.utils.cpp_extension import BuildExtension, CppExtension
+
+SOURCES = ["kernels/mapped_table.cpp", "kernels/row_gather.cpp", "kernels/bindings.cpp"]
+
+setup(
+    packages=["ple", "ple.kernels", "ple.ops", "ple.layers"],
+    package_dir={"ple": "ple", "ple.kernels": "kernels", "ple.ops": "ops", "ple.layers": "layers"},
+    # The sources travel with the package: ple compiles them at import when
+    # the built module does not match the running torch.
+    package_data={"ple.kernels": ["*.cpp", "*.h"]},
+    ext_modules=[
+        CppExtension(
+            "ple.kernels._C",
+            SOURCES,
+            extra_compile_args=["-O3", "-std=c++17", f"-DPLE_TORCH_VERSION={torch.__version__}"],
+        )
+    ],
+    cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
+)
