@@ -33,12 +33,18 @@ struct ChunkCounters {
            major_faults = 0, minor_faults = 0;
 };
 
-enum PageState : uint8_t { kUnseen, kResident, kAdvised, kAdvisedChecked };
+enum PageState : uint8_t { kUnseen, kResident, kAdvised, kAdvisedCopied };
 
 bool page_resident(uintptr_t page) {
   unsigned char vec = 0;
   // An error here only costs an advice that was not needed.
   return ::mincore(reinterpret_cast<void*>(page), kPage, &vec) == 0 && (vec & 1);
+}
+
+uint64_t thread_major_faults() {
+  struct rusage usage;
+  ::getrusage(RUSAGE_THREAD, &usage);
+  return usage.ru_majflt;
 }
 
 // Collects address-adjacent pages so that a run of them costs one madvise.
@@ -152,17 +158,27 @@ class ChunkGather {
     }
   }
 
-  // Counts advised pages of row k that were reclaimed before the copy got
-  // there, then copies the row.
+  // Copies row k.  When the row's cold pages were all advised, a major fault
+  // during the copy means an advised page was reclaimed before the copy got
+  // there and had to be read again (pages still being read count as minor
+  // faults, and mincore cannot tell them from reclaimed ones).
   void copy_row(int64_t k) {
     const size_t last = first_page_[k] + (((rows_[k].address & (kPage - 1)) + row_bytes_ - 1) / kPage);
+    bool watch = false, all_considered = true;
     for (size_t i = first_page_[k]; i <= last; ++i) {
-      if (state_[i] != kAdvised) continue;
-      state_[i] = kAdvisedChecked;
-      if (!page_resident(pages_[i])) ++counters_.evicted_before_copy;
+      watch |= state_[i] == kAdvised;
+      all_considered &= state_[i] != kUnseen;
+      if (state_[i] == kAdvised) state_[i] = kAdvisedCopied;
     }
-    std::memcpy(out_ + rows_[k].position * row_bytes_,
-                reinterpret_cast<const void*>(rows_[k].address), row_bytes_);
+    uint8_t* dst = out_ + rows_[k].position * row_bytes_;
+    const void* src = reinterpret_cast<const void*>(rows_[k].address);
+    if (!(watch && all_considered)) {
+      std::memcpy(dst, src, row_bytes_);
+      return;
+    }
+    const uint64_t before = thread_major_faults();
+    std::memcpy(dst, src, row_bytes_);
+    counters_.evicted_before_copy += thread_major_faults() - before;
   }
 
   const RowRef* rows_;
