@@ -68,7 +68,12 @@ def _shard_families(entries: dict[str, TensorEntry]) -> dict[str, dict[int, Tens
     for name, entry in entries.items():
         match = SHARD_NAME.match(name)
         if match:
-            families.setdefault(match["prefix"], {})[int(match["index"])] = entry
+            family = families.setdefault(match["prefix"], {})
+            index = int(match["index"])
+            if index in family:
+                raise ValueError(f"{entry.path}: {name!r} and {family[index].name!r} "
+                                 f"({family[index].path}) are both shard {index}")
+            family[index] = entry
     return families
 
 
@@ -77,12 +82,14 @@ def _select(entries, families, tensor, files) -> tuple[str, list[TensorEntry], s
     where = ", ".join(str(f) for f in files)
     if tensor is None:
         in_family = {e.name for family in families.values() for e in family.values()}
-        candidates = sorted(families) + sorted(
+        candidates = [f"{p}.shard_*" for p in sorted(families)] + sorted(
             name for name, e in entries.items() if len(e.shape) == 2 and name not in in_family)
         if len(candidates) != 1:
             raise ValueError(f"{where}: {len(candidates)} candidate tables {candidates}; "
                              "pass tensor= to choose one")
-        tensor = candidates[0]
+        tensor = candidates[0].removesuffix(".shard_*")
+    if tensor in families and tensor in entries:
+        raise ValueError(f"{where}: {tensor!r} names both a tensor and a shard family")
     if tensor in families:
         family = families[tensor]
         missing = sorted(set(range(max(family) + 1)) - set(family))
@@ -122,14 +129,19 @@ def _check_shards(name: str, shards: list[TensorEntry]) -> None:
         raise ValueError(f"{first.path}: tensor {first.name!r} has rows of no values")
 
 
-def _read_scale(entry: TensorEntry) -> float:
+def _read_scale(entry: TensorEntry, given: float | None) -> float:
+    """The value of a scale tensor; `given`, a caller's scale, must agree with
+    it once rounded to the tensor's dtype."""
     if entry.dtype not in SCALE_DTYPES or entry.nbytes != SCALE_DTYPES[entry.dtype].itemsize:
         raise ValueError(f"{entry.path}: scale tensor {entry.name!r} must hold one F32, F16 or "
                          f"BF16 value, not {entry.dtype} {list(entry.shape)}")
     with open(entry.path, "rb") as f:
         f.seek(entry.offset)
         raw = bytearray(f.read(entry.nbytes))
-    return torch.frombuffer(raw, dtype=SCALE_DTYPES[entry.dtype]).item()
+    value = torch.frombuffer(raw, dtype=SCALE_DTYPES[entry.dtype]).item()
+    if given is not None and torch.tensor(given, dtype=SCALE_DTYPES[entry.dtype]).item() != value:
+        raise ValueError(f"{entry.path}: {entry.name!r} is {value}, but scale={given} was given")
+    return value
 
 
 class Table:
@@ -175,13 +187,10 @@ class Table:
         name, shards, scale_name = _select(entries, _shard_families(entries), tensor, files)
         _check_shards(name, shards)
         fmt = BY_SAFETENSORS_DTYPE[shards[0].dtype]
-        file_scale = _read_scale(entries[scale_name]) if scale_name in entries else None
-        if not fmt.scaled and (scale is not None or file_scale is not None):
+        if not fmt.scaled and (scale is not None or scale_name in entries):
             raise ValueError(f"{shards[0].path}: {name!r} holds {fmt.name} rows, which are not "
                              "scaled; scales apply to fp8_e4m3fn, u8 and i8 rows")
-        if file_scale is not None and scale is not None and file_scale != scale:
-            raise ValueError(f"{entries[scale_name].path}: {scale_name!r} is {file_scale}, "
-                             f"but scale={scale} was given")
+        file_scale = _read_scale(entries[scale_name], scale) if scale_name in entries else None
         resolved = file_scale if file_scale is not None else 1.0 if scale is None else float(scale)
         return cls(name, shards, fmt, resolved, config or GatherConfig())
 

@@ -58,7 +58,7 @@ def table_values(dtype: torch.dtype, rows: int, cols: int = COLS, seed: int = 0)
     values[: len(specials)] = specials
     out = values.to(dtype)
     if dtype != torch.float32:
-        # Every bit pattern of the first 4096 values as well, for the 2-byte formats.
+        # Random distinct bit patterns (4304 of the 65536) for the 2-byte formats.
         patterns = torch.arange(-2**15, 2**15, dtype=torch.int32).to(torch.int16).view(dtype)
         k = min(n - 32, patterns.numel())
         perm = torch.randperm(patterns.numel(), generator=gen)[:k]

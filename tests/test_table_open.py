@@ -136,11 +136,17 @@ def test_tensor_omitted_one_candidate(tmp_path):
 def test_tensor_omitted_several_candidates(tmp_path):
     f = write(tmp_path / "t.safetensors", {"other": torch.randn(3, 4), "zz_vec": torch.randn(4),
                                            **shards(rows=(5, 5))})
-    with raises_naming(ValueError, f, "'emb'", "'other'", "tensor=") as info:
+    with raises_naming(ValueError, f, "'emb.shard_*'", "'other'", "tensor=") as info:
         ple.Table.from_safetensors(f)
     msg = str(info.value)
     assert "zz_vec" not in msg  # 1-D: not a candidate
     assert "shard_0" not in msg  # a family is one candidate, by its prefix
+
+
+def test_name_of_both_a_tensor_and_a_shard_family(tmp_path):
+    f = write(tmp_path / "t.safetensors", {"emb": torch.randn(3, COLS), **shards(rows=(5, 5))})
+    with raises_naming(ValueError, f, "'emb'", "both a tensor and a shard family"):
+        ple.Table.from_safetensors(f, "emb")
 
 
 def test_tensor_omitted_no_candidate(tmp_path):
@@ -262,6 +268,13 @@ def test_scale_conflict(tmp_path):
                                            "tab_scale": torch.tensor(0.5)})
     with raises_naming(ValueError, f, "tab_scale", "0.5", "scale=0.25"):
         ple.Table.from_safetensors(f, scale=0.25)
+
+
+def test_scale_given_agrees_once_rounded_to_the_file_dtype(tmp_path):
+    f = write(tmp_path / "t.safetensors", {"tab": make_values(torch.int8, (10, 4)),
+                                           "tab_scale": torch.tensor(0.37)})
+    with ple.Table.from_safetensors(f, scale=0.37) as table:
+        assert table.scale == torch.tensor(0.37).item()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
@@ -467,6 +480,16 @@ def test_shard_gap_no_shard_0(tmp_path):
     f = write(tmp_path / "t.safetensors", s)
     with raises_naming(ValueError, f, "'emb'", "shard 0 is missing"):
         ple.Table.from_safetensors(f)
+
+
+def test_shard_index_written_two_ways(tmp_path):
+    # "shard_1" and "shard_01" are both shard 1 of "emb": which one is meant is
+    # ambiguous, so opening must fail rather than silently drop one of them.
+    s = shards(rows=(5, 5))
+    s["emb.shard_01.weight"] = torch.randn(3, COLS)
+    f = write(tmp_path / "t.safetensors", s)
+    with raises_naming(ValueError, f, "emb.shard_1.weight", "emb.shard_01.weight"):
+        ple.Table.from_safetensors(f, "emb")
 
 
 def test_middle_shard_shorter_than_first(tmp_path):
