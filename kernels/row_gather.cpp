@@ -9,6 +9,8 @@
 #include <chrono>
 #include <cstring>
 #include <string>
+#include <exception>
+#include <system_error>
 #include <thread>
 
 #include "mapped_table.h"
@@ -251,14 +253,28 @@ void gather_rows(MappedTable& table, const void* ids, bool ids_are_int64, int64_
   const std::vector<int64_t> starts = chunk_starts(rows, row_bytes, config.threads);
   const size_t chunks = starts.size() - 1;
   std::vector<ChunkCounters> results(chunks);
+  std::vector<std::exception_ptr> errors(chunks);
   auto run_chunk = [&](size_t c) {
-    ChunkGather gather(rows.data() + starts[c], starts[c + 1] - starts[c], row_bytes, out, config);
-    results[c] = gather.run();
+    try {
+      ChunkGather gather(rows.data() + starts[c], starts[c + 1] - starts[c], row_bytes, out, config);
+      results[c] = gather.run();
+    } catch (...) {
+      errors[c] = std::current_exception();
+    }
   };
   std::vector<std::thread> workers;
-  for (size_t c = 1; c < chunks; ++c) workers.emplace_back(run_chunk, c);
-  if (chunks > 0) run_chunk(0);
+  for (size_t c = 1; c < chunks; ++c) {
+    try {
+      workers.emplace_back(run_chunk, c);
+    } catch (const std::system_error&) {
+      run_chunk(c);  // no thread to be had: this one does the chunk
+    }
+  }
+  run_chunk(0);
   for (auto& worker : workers) worker.join();
+  for (const auto& error : errors) {
+    if (error) std::rethrow_exception(error);
+  }
 
   GatherCounters& counters = table.counters();
   uint64_t max_ahead = 0;
