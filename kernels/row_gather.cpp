@@ -157,7 +157,13 @@ class ChunkGather {
       counters_.max_advised_ahead_bytes =
           std::max<uint64_t>(counters_.max_advised_ahead_bytes, advised_ahead_);
       copy_row(k);
+      // Pages the copy reached before their advice were faulted in by it.
+      next = std::max(next, last_page(k) + 1);
     }
+  }
+
+  size_t last_page(int64_t k) const {
+    return first_page_[k] + ((rows_[k].address & (kPage - 1)) + row_bytes_ - 1) / kPage;
   }
 
   // Copies row k.  When the row's cold pages were all advised, a major fault
@@ -165,7 +171,7 @@ class ChunkGather {
   // there and had to be read again (pages still being read count as minor
   // faults, and mincore cannot tell them from reclaimed ones).
   void copy_row(int64_t k) {
-    const size_t last = first_page_[k] + (((rows_[k].address & (kPage - 1)) + row_bytes_ - 1) / kPage);
+    const size_t last = last_page(k);
     bool watch = false, all_considered = true;
     for (size_t i = first_page_[k]; i <= last; ++i) {
       watch |= state_[i] == kAdvised;

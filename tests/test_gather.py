@@ -11,6 +11,7 @@ import json
 import os
 import struct
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -207,6 +208,8 @@ def test_gather_matches_reference_cold_and_warm(sharded, policy, window, threads
         if state == "cold" and advises:
             # Proves the table really was cold.
             assert s["advised_pages"] > 0
+        if state == "warm":
+            assert s["major_faults"] == 0 and s["evicted_before_copy"] == 0
         if state == "warm" and advises:
             assert s["advised_pages"] == 0
             if policy in ("window", "all"):
@@ -260,6 +263,13 @@ def test_non_contiguous_ids(small):
                           small.reference[strided.numpy()])
 
 
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32])
+def test_scalar_id(small, dtype):
+    got = small.table.gather_bytes(torch.tensor(194, dtype=dtype))
+    assert tuple(got.shape) == (small.row_bytes,)
+    assert np.array_equal(got.numpy(), small.reference[194])
+
+
 def test_python_list_ids(small):
     ids = [270, 0, 97, 96, 97]
     assert np.array_equal(small.table.gather_bytes(ids).numpy(), small.reference[ids])
@@ -300,6 +310,8 @@ def test_window_bounds_advice_ahead_cold(big, window, threads):
     s = table.stats()
     assert s["advised_pages"] > 0, "drop_page_cache did not make the table cold"
     assert 0 < s["max_advised_ahead_bytes"] <= window * 1024
+    # 3 MB of pages and no memory pressure: no advised page is reclaimed.
+    assert s["evicted_before_copy"] == 0
     assert s["unique_pages"] == big.expected_pages(ids)
     assert s["advised_pages"] + s["resident_pages"] <= s["unique_pages"]
 
@@ -310,6 +322,31 @@ def test_window_bounds_advice_ahead_cold(big, window, threads):
     assert s["advised_pages"] == 0
     assert s["resident_pages"] == s["unique_pages"] == big.expected_pages(ids)
     assert s["max_advised_ahead_bytes"] == 0
+    assert s["major_faults"] == 0 and s["evicted_before_copy"] == 0
+
+
+@pytest.mark.parametrize("policy,window", [("window", 4), ("window", 64), ("distance", 4),
+                                           ("all", 4)])
+def test_cold_table_reports_no_resident_pages(big, policy, window):
+    """After drop_page_cache no page of the table is resident, so a gather
+    should find none resident: ``resident_pages`` counts pages that were
+    already in memory, not pages this gather's own copy faulted in before
+    the advice loop got to them."""
+    table = big.table
+    table.config = GatherConfig(policy, window, 1)
+    ids = np.random.default_rng(17).integers(0, BIG_ROWS, 2000, dtype=np.int64)
+    table.drop_page_cache()
+    table.reset_stats()
+    assert np.array_equal(_gather(big, ids), big.reference[ids])
+    s = table.stats()
+    assert s["resident_pages"] == 0, (
+        f"cold table, yet {s['resident_pages']} of {s['unique_pages']} pages counted resident "
+        f"({s['advised_pages']} advised, {s['major_faults']} major faults)")
+    # A one-page window cannot cover both pages of a row that straddles a page
+    # boundary: the copy faults the second one in synchronously.
+    assert s["advised_pages"] + s["major_faults"] == s["unique_pages"]
+    if window > 4:
+        assert s["major_faults"] == 0
 
 
 @pytest.mark.parametrize("threads", THREADS)
@@ -324,6 +361,9 @@ def test_all_advises_every_cold_page(big, threads):
     assert s["unique_pages"] == big.expected_pages(ids)
     assert s["advised_pages"] > 0
     assert s["advised_pages"] == s["unique_pages"] - s["resident_pages"]
+    # Every cold page was advised before the copy: no major faults, no evictions.
+    assert s["evicted_before_copy"] == 0
+    assert s["major_faults"] == 0
 
 
 @pytest.mark.parametrize("policy", POLICIES)
@@ -339,6 +379,10 @@ def test_no_advice_with_window_zero_cold(big, policy):
     assert s["advised_pages"] == 0
     assert s["max_advised_ahead_bytes"] == 0
     assert s["unique_pages"] == big.expected_pages(ids)
+    # Unadvised cold pages are read by the copy's own faults (MADV_RANDOM:
+    # one page per fault), and nothing advised can have been evicted.
+    assert 0 < s["major_faults"] <= s["unique_pages"]
+    assert s["evicted_before_copy"] == 0
 
 
 def test_calls_rows_and_bytes_accumulate(small):
@@ -484,6 +528,7 @@ def test_concurrent_gathers_while_reconfiguring_and_dropping(big):
             if k % 5 == 0:
                 table.drop_page_cache()
             k += 1
+            time.sleep(0.0005)
 
     def worker(k: int) -> None:
         rng = np.random.default_rng(2000 + k)
