@@ -10,6 +10,7 @@
 #include <cstring>
 #include <string>
 #include <exception>
+#include <memory>
 #include <system_error>
 #include <thread>
 
@@ -37,11 +38,40 @@ struct ChunkCounters {
 
 enum PageState : uint8_t { kUnseen, kResident, kAdvised, kAdvisedCopied };
 
-bool page_resident(uintptr_t page) {
-  unsigned char vec = 0;
-  // An error here only costs an advice that was not needed.
-  return ::mincore(reinterpret_cast<void*>(page), kPage, &vec) == 0 && (vec & 1);
-}
+// One mincore call answers for every requested page within this many pages
+// of the first one asked about: a syscall per page would cost more than the
+// copy of a warm request.
+constexpr uintptr_t kProbeSpanPages = 64;
+
+// Residency of a sorted list of pages, asked of mincore a span at a time.
+class ResidencyProbe {
+ public:
+  explicit ResidencyProbe(const std::vector<uintptr_t>& pages)
+      : pages_(pages), known_(pages.size(), kUnknown) {}
+
+  bool resident(size_t i) {
+    if (known_[i] == kUnknown) probe_from(i);
+    return known_[i] == kYes;
+  }
+
+ private:
+  enum : uint8_t { kUnknown, kYes, kNo };
+
+  void probe_from(size_t i) {
+    size_t end = i + 1;
+    while (end < pages_.size() && pages_[end] - pages_[i] < kProbeSpanPages * kPage) ++end;
+    unsigned char vec[kProbeSpanPages];
+    const uintptr_t length = pages_[end - 1] - pages_[i] + kPage;
+    // An error here only costs advice that was not needed.
+    const bool ok = ::mincore(reinterpret_cast<void*>(pages_[i]), length, vec) == 0;
+    for (size_t j = i; j < end; ++j) {
+      known_[j] = ok && (vec[(pages_[j] - pages_[i]) / kPage] & 1) ? kYes : kNo;
+    }
+  }
+
+  const std::vector<uintptr_t>& pages_;
+  std::vector<uint8_t> known_;
+};
 
 uint64_t thread_major_faults() {
   struct rusage usage;
@@ -110,11 +140,12 @@ class ChunkGather {
       first_page_[k] = pages_.size() - 1 - (last - first) / kPage;
     }
     state_.assign(pages_.size(), kUnseen);
+    residency_ = std::make_unique<ResidencyProbe>(pages_);
   }
 
   // Looks at page i; advises it unless mincore says it is resident.
   void consider(size_t i, AdviceRun& run) {
-    if (page_resident(pages_[i])) {
+    if (residency_->resident(i)) {
       state_[i] = kResident;
       ++counters_.resident_pages;
       return;
@@ -197,6 +228,7 @@ class ChunkGather {
   std::vector<uintptr_t> pages_;
   std::vector<size_t> first_page_;
   std::vector<uint8_t> state_;
+  std::unique_ptr<ResidencyProbe> residency_;
   uint64_t advised_ahead_ = 0;
   ChunkCounters counters_;
 };
