@@ -12,7 +12,6 @@ import torch
 log = logging.getLogger("ple")
 
 SOURCE_DIR = Path(__file__).resolve().parent
-SOURCES = ("mapped_table.cpp", "row_gather.cpp", "bindings.cpp")
 COMPILE_ARGS = ("-O3", "-std=c++17")
 
 
@@ -46,7 +45,7 @@ def _compile_now():
                 torch.__version__, build_dir)
     return cpp_extension.load(
         name=f"ple_native_{tag}",
-        sources=[str(SOURCE_DIR / name) for name in SOURCES],
+        sources=[str(path) for path in sorted(SOURCE_DIR.glob("*.cpp"))],
         extra_cflags=[*COMPILE_ARGS, version_define(torch.__version__)],
         build_directory=str(build_dir),
         verbose=False,

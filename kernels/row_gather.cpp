@@ -62,10 +62,15 @@ class ResidencyProbe {
     while (end < pages_.size() && pages_[end] - pages_[i] < kProbeSpanPages * kPage) ++end;
     unsigned char vec[kProbeSpanPages];
     const uintptr_t length = pages_[end - 1] - pages_[i] + kPage;
-    // An error here only costs advice that was not needed.
-    const bool ok = ::mincore(reinterpret_cast<void*>(pages_[i]), length, vec) == 0;
+    if (::mincore(reinterpret_cast<void*>(pages_[i]), length, vec) == 0) {
+      for (size_t j = i; j < end; ++j) known_[j] = vec[(pages_[j] - pages_[i]) / kPage] & 1 ? kYes : kNo;
+      return;
+    }
+    // The span crossed a hole between two files' mappings: ask page by page.
     for (size_t j = i; j < end; ++j) {
-      known_[j] = ok && (vec[(pages_[j] - pages_[i]) / kPage] & 1) ? kYes : kNo;
+      const bool ok = ::mincore(reinterpret_cast<void*>(pages_[j]), kPage, vec) == 0;
+      // An error here only costs advice that was not needed.
+      known_[j] = ok && (vec[0] & 1) ? kYes : kNo;
     }
   }
 
