@@ -23,6 +23,7 @@ setup(
             "ple.kernels._C",
             SOURCES,
             extra_compile_args=["-O3", "-std=c++17", f"-DPLE_TORCH_VERSION={torch.__version__}"],
+            libraries=["dl"],  # host_gather.cpp finds the CUDA driver at run time
         )
     ],
     cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},

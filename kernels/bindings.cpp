@@ -2,6 +2,7 @@
 // counters.  Operators are registered in Python (ops/), on top of these.
 #include <torch/extension.h>
 
+#include "host_gather.h"
 #include "mapped_table.h"
 
 namespace py = pybind11;
@@ -44,7 +45,20 @@ void gather(int64_t handle, const torch::Tensor& ids, torch::Tensor& out) {
   uint8_t* out_data = out.data_ptr<uint8_t>();
   const bool is_int64 = ids.scalar_type() == torch::kInt64;
   py::gil_scoped_release no_gil;
+  if (is_int64 && table->take_prefetched(static_cast<const int64_t*>(id_data), ids.numel(), out_data)) {
+    return;
+  }
   ple::gather_rows(*table, id_data, is_int64, ids.numel(), out_data);
+}
+
+void prefetch(int64_t handle, const torch::Tensor& ids) {
+  TORCH_CHECK(ids.device().is_cpu() && ids.is_contiguous() && ids.scalar_type() == torch::kInt64,
+              "prefetch ids must be a contiguous int64 CPU tensor");
+  const int64_t* data = ids.data_ptr<int64_t>();
+  auto table = table_of(handle);
+  std::vector<int64_t> copy(data, data + ids.numel());
+  py::gil_scoped_release no_gil;
+  table->prefetch(std::move(copy));
 }
 
 }  // namespace
@@ -59,5 +73,18 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gather", &gather, "Copies rows ids of a table into out");
   m.def("stats", [](int64_t h) { return table_of(h)->counters().snapshot(); });
   m.def("reset_stats", [](int64_t h) { table_of(h)->counters().reset(); });
+  m.def("prefetch", &prefetch, "Starts gathering ids on a background thread for the next CUDA call");
+  m.def(
+      "launch_host_gather",
+      [](uintptr_t stream, int64_t handle, uintptr_t ids, int64_t n, uintptr_t staging,
+         uintptr_t status, bool capturing) {
+        ple::find_table(handle);  // an unknown handle fails here, not in the stream
+        ple::launch_host_gather(stream, handle, reinterpret_cast<const int64_t*>(ids), n,
+                                reinterpret_cast<uint8_t*>(staging),
+                                reinterpret_cast<int32_t*>(status), capturing);
+      },
+      "Enqueues the gather of pinned ids into pinned staging on a CUDA stream");
+  m.def("take_host_error", &ple::take_host_error,
+        "The error of a failed host gather of a table on a stream, once");
   m.def("drop_page_cache", [](int64_t h) { table_of(h)->drop_page_cache(); });
 }

@@ -48,7 +48,8 @@ def f32_to_bf16_rne(x):
 
 @triton.jit
 def decode_rows_kernel(
-    staged_ptr,  # *u8 [n, row_bytes]
+    staged_ptr,  # *u8 [n, row_bytes]; device memory, or pinned host memory read over UVA
+    status_ptr,  # *i32, one word: nonzero when the host gather that filled staged failed
     out_ptr,  # *fp32 | *fp16 | *bf16 [n, cols]; its element type is the output dtype (compile-time)
     cols,
     row_bytes,
@@ -89,6 +90,9 @@ def decode_rows_kernel(
         out = f32_to_bf16_rne(v.to(tl.float32))  # f16 -> f32 is exact; torch goes through float too
     else:
         out = v.to(OUT)  # f32 <-> f16 (round to nearest even), bf16-as-f32 -> f16
+    # A failed gather leaves stale bytes in staged: write NaN, never old rows.
+    failed = tl.load(status_ptr) != 0
+    out = tl.where(failed, tl.full([BLOCK], float("nan"), tl.float32).to(OUT), out)
     tl.store(out_ptr + row * cols + offs, out, mask=mask)
 
 
@@ -96,9 +100,11 @@ FORMAT_NAMES = ("f32", "f16", "bf16", "fp8_e4m3fn", "u8", "i8")
 MAX_BLOCK = 1024
 
 
-def decode_rows_triton(staged: torch.Tensor, fmt: RowFormat, scale: float, out: torch.Tensor) -> torch.Tensor:
+def decode_rows_triton(staged: torch.Tensor, fmt: RowFormat, scale: float, out: torch.Tensor,
+                       status: torch.Tensor | None = None) -> torch.Tensor:
     """Decode staged row ``i`` (uint8 ``[n, row_bytes]``, contiguous) into
-    ``out[i]`` (``[n, cols]`` float32/float16/bfloat16, contiguous); returns ``out``."""
+    ``out[i]`` (``[n, cols]`` float32/float16/bfloat16, contiguous); returns ``out``.
+    ``status``: an int32 word; when it is nonzero at run time every value is NaN."""
     if fmt.name not in FORMAT_NAMES:
         raise ValueError(f"no Triton decoder for row format {fmt.name!r}")
     if out.dtype not in (torch.float32, torch.float16, torch.bfloat16):
@@ -115,5 +121,8 @@ def decode_rows_triton(staged: torch.Tensor, fmt: RowFormat, scale: float, out: 
         return out
     block = min(MAX_BLOCK, triton.next_power_of_2(cols))
     grid = (n, triton.cdiv(cols, block))  # rows on axis 0 (up to 2^31 - 1), column blocks on axis 1 (<= 65535)
-    decode_rows_kernel[grid](staged, out, cols, row_bytes, float(scale), FMT=fmt.name, BLOCK=block)
+    if status is None:
+        status = torch.zeros(1, dtype=torch.int32, device=staged.device)
+    decode_rows_kernel[grid](staged, status, out, cols, row_bytes, float(scale), FMT=fmt.name,
+                             BLOCK=block)
     return out

@@ -80,13 +80,15 @@ std::map<std::string, uint64_t> GatherCounters::snapshot() const {
       {"major_faults", major_faults.load()},
       {"minor_faults", minor_faults.load()},
       {"gather_ns", gather_ns.load()},
+      {"prefetch_hits", prefetch_hits.load()},
+      {"prefetch_misses", prefetch_misses.load()},
   };
 }
 
 void GatherCounters::reset() {
   for (auto* c : {&calls, &rows, &unique_pages, &advised_pages, &resident_pages,
                   &evicted_before_copy, &max_advised_ahead_bytes, &bytes_copied,
-                  &major_faults, &minor_faults, &gather_ns}) {
+                  &major_faults, &minor_faults, &gather_ns, &prefetch_hits, &prefetch_misses}) {
     c->store(0);
   }
 }
@@ -126,7 +128,59 @@ MappedTable::MappedTable(const std::vector<std::string>& paths,
 }
 
 MappedTable::~MappedTable() {
+  {
+    std::unique_lock<std::mutex> lock(prefetch_.mutex);
+    prefetch_.finished.wait(lock, [&] { return !prefetch_.running; });
+  }
+  if (prefetch_.worker.joinable()) prefetch_.worker.join();
   for (auto& file : files_) unmap_file(file);
+}
+
+void MappedTable::prefetch(std::vector<int64_t> ids) {
+  std::unique_lock<std::mutex> lock(prefetch_.mutex);
+  prefetch_.finished.wait(lock, [&] { return !prefetch_.running; });
+  if (prefetch_.worker.joinable()) prefetch_.worker.join();  // it has finished
+  prefetch_.ids = std::move(ids);
+  prefetch_.rows.resize(prefetch_.ids.size() * row_bytes_);
+  prefetch_.running = prefetch_.pending = true;
+  prefetch_.error = nullptr;
+  auto work = [this] {
+    std::exception_ptr error;
+    try {
+      gather_rows(*this, prefetch_.ids.data(), true, prefetch_.ids.size(), prefetch_.rows.data());
+    } catch (...) {
+      error = std::current_exception();
+    }
+    std::lock_guard<std::mutex> done(prefetch_.mutex);
+    prefetch_.error = error;
+    prefetch_.running = false;
+    prefetch_.finished.notify_all();
+  };
+  try {
+    prefetch_.worker = std::thread(work);
+  } catch (...) {
+    prefetch_.running = prefetch_.pending = false;
+    throw;
+  }
+}
+
+bool MappedTable::take_prefetched(const int64_t* ids, int64_t n, uint8_t* out) {
+  std::unique_lock<std::mutex> lock(prefetch_.mutex);
+  if (!prefetch_.pending) return false;
+  if (static_cast<int64_t>(prefetch_.ids.size()) != n ||
+      std::memcmp(prefetch_.ids.data(), ids, n * sizeof(int64_t)) != 0) {
+    ++counters_.prefetch_misses;
+    return false;
+  }
+  prefetch_.finished.wait(lock, [&] { return !prefetch_.running; });
+  prefetch_.pending = false;
+  if (prefetch_.error) {
+    ++counters_.prefetch_misses;
+    return false;  // the caller's own gather raises the error
+  }
+  std::memcpy(out, prefetch_.rows.data(), prefetch_.rows.size());
+  ++counters_.prefetch_hits;
+  return true;
 }
 
 GatherConfig MappedTable::config() const {

@@ -8,12 +8,15 @@
 #pragma once
 
 #include <atomic>
+#include <condition_variable>
 #include <cstdint>
+#include <exception>
 #include <map>
 #include <memory>
 #include <mutex>
 #include <stdexcept>
 #include <string>
+#include <thread>
 #include <vector>
 
 namespace ple {
@@ -49,10 +52,23 @@ struct Shard {
 struct GatherCounters {
   std::atomic<uint64_t> calls{0}, rows{0}, unique_pages{0}, advised_pages{0},
       resident_pages{0}, evicted_before_copy{0}, max_advised_ahead_bytes{0},
-      bytes_copied{0}, major_faults{0}, minor_faults{0}, gather_ns{0};
+      bytes_copied{0}, major_faults{0}, minor_faults{0}, gather_ns{0}, prefetch_hits{0},
+      prefetch_misses{0};
 
   std::map<std::string, uint64_t> snapshot() const;
   void reset();
+};
+
+// A gather started ahead of the operator call that will want its rows.
+struct PrefetchSlot {
+  std::mutex mutex;
+  std::condition_variable finished;
+  std::vector<int64_t> ids;
+  std::vector<uint8_t> rows;
+  bool running = false;
+  bool pending = false;  // holds rows nobody has taken yet
+  std::exception_ptr error;
+  std::thread worker;
 };
 
 class MappedTable {
@@ -82,6 +98,14 @@ class MappedTable {
 
   GatherCounters& counters() { return counters_; }
 
+  // Starts gathering `ids` on a background thread (after any earlier
+  // prefetch has finished); the rows wait for take_prefetched.
+  void prefetch(std::vector<int64_t> ids);
+
+  // When the pending prefetch is of exactly these ids: waits for it, copies
+  // its rows to `out` and returns true.  Otherwise returns false.
+  bool take_prefetched(const int64_t* ids, int64_t n, uint8_t* out);
+
   // Drops this table's pages from the page cache: unmaps them from this
   // process, then asks the kernel to forget the files' clean pages.  Pages
   // that another mapping holds stay.
@@ -96,6 +120,7 @@ class MappedTable {
   mutable std::mutex config_mutex_;
   GatherConfig config_;
   GatherCounters counters_;
+  PrefetchSlot prefetch_;
 };
 
 // Tables are reached from Python and from operators by an integer handle.  A

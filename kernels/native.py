@@ -47,6 +47,7 @@ def _compile_now():
         name=f"ple_native_{tag}",
         sources=[str(path) for path in sorted(SOURCE_DIR.glob("*.cpp"))],
         extra_cflags=[*COMPILE_ARGS, version_define(torch.__version__)],
+        extra_ldflags=["-ldl"],
         build_directory=str(build_dir),
         verbose=False,
     )

@@ -2,7 +2,8 @@
 
 Both take ids of any shape and a table handle (``ple.Table.handle``) and
 return new tensors ``[*ids.shape, ...]``; the CPU kernels run the native
-windowed gather, ``disk_gather`` then decodes the rows.
+windowed gather, ``disk_gather`` then decodes the rows.  ``disk_gather`` also
+has a CUDA kernel (disk_gather_cuda.py); ``disk_gather_bytes`` is CPU only.
 """
 
 from __future__ import annotations
@@ -39,6 +40,14 @@ def _disk_gather_bytes_cpu(ids: torch.Tensor, table: int) -> torch.Tensor:
 def _disk_gather_cpu(ids: torch.Tensor, table: int, dtype: torch.dtype | None = None) -> torch.Tensor:
     checked, dtype = _checked(ids, table, dtype)
     return decode_rows(checked.gather_bytes(ids), checked.row_format, checked.scale, dtype)
+
+
+@torch.library.impl(_lib, "disk_gather", "CUDA")
+def _disk_gather_cuda(ids: torch.Tensor, table: int, dtype: torch.dtype | None = None) -> torch.Tensor:
+    from .disk_gather_cuda import disk_gather_cuda  # needs triton, which only CUDA calls need
+
+    checked, dtype = _checked(ids, table, dtype)
+    return disk_gather_cuda(checked, ids, dtype)
 
 
 @torch.library.register_fake("ple::disk_gather_bytes", lib=_lib)

@@ -17,6 +17,7 @@ from .kernels.native import native
 from .config import GatherConfig
 from .formats import BY_SAFETENSORS_DTYPE, FORMATS, RowFormat
 from .safetensors_header import TensorEntry, read_header
+from .staging import StreamStaging
 
 PathsLike = Union[str, os.PathLike, Iterable[Union[str, os.PathLike]]]
 
@@ -168,6 +169,7 @@ class Table:
             [s.offset for s in shards], self.shard_rows, self.row_bytes)
         self._config = config
         self._push_config()
+        self._staging: dict[tuple[int, int], StreamStaging] = {}
         _open_tables[self._handle] = self
 
     @classmethod
@@ -238,6 +240,30 @@ class Table:
         native.gather(self.handle, ids.reshape(-1).contiguous(), out)
         return out
 
+    def prefetch(self, ids) -> None:
+        """Starts gathering ``ids`` (on the host) on a background thread.  The
+        next gather of exactly these ids (int64) on this table, by an operator
+        on any device, waits for it instead of reading the rows itself; other
+        ids are gathered as usual.  Counted in ``prefetch_hits`` and
+        ``prefetch_misses``."""
+        ids = torch.as_tensor(ids)
+        if ids.dtype not in (torch.int32, torch.int64) or ids.device.type != "cpu":
+            raise TypeError(f"ple: prefetch takes int32 or int64 ids on the CPU, not {ids.dtype} "
+                            f"on {ids.device}")
+        native.prefetch(self.handle, ids.reshape(-1).to(torch.int64).contiguous())
+
+    def staging_for(self, stream: torch.cuda.Stream) -> StreamStaging:
+        """The pinned buffers of this table on a CUDA stream."""
+        key = (stream.device.index, stream.cuda_stream)
+        staging = self._staging.get(key)
+        if staging is None:
+            staging = self._staging[key] = StreamStaging(stream, self.row_bytes)
+        return staging
+
+    def pinned_bytes(self) -> int:
+        """Page-locked host memory held for the CUDA operator, all streams."""
+        return sum(staging.nbytes() for staging in self._staging.values())
+
     def stats(self) -> dict[str, int]:
         """Cumulative counters of every gather on this table (README "Counters")."""
         return dict(native.stats(self.handle))
@@ -251,11 +277,19 @@ class Table:
         native.drop_page_cache(self.handle)
 
     def close(self) -> None:
-        """Unmaps the files; a gather in progress on another thread finishes first."""
-        if self._handle is not None:
-            _open_tables.pop(self._handle, None)
-            native.close_table(self._handle)
-            self._handle = None
+        """Unmaps the files; a gather in progress on another thread finishes
+        first.  Waits for the CUDA streams this table staged rows on, then
+        frees its pinned buffers: a CUDA graph that gathers from this table
+        must not be replayed after it is closed."""
+        if self._handle is None:
+            return
+        for staging in self._staging.values():
+            staging.stream.synchronize()
+            staging.free()
+        self._staging.clear()
+        _open_tables.pop(self._handle, None)
+        native.close_table(self._handle)
+        self._handle = None
 
     def __enter__(self) -> "Table":
         return self
@@ -266,7 +300,7 @@ class Table:
     def __del__(self):
         # At interpreter exit the native module may already be gone.
         if getattr(self, "_handle", None) is not None and native is not None:
-            native.close_table(self._handle)
+            self.close()
 
     def __repr__(self) -> str:
         state = "closed" if self._handle is None else f"handle={self._handle}"

@@ -147,6 +147,15 @@ def test_zero_rows(interp, name, dtype):
     assert_bit_identical(out, decode_rows(staged, fmt, 0.37, dtype))
 
 
+@pytest.mark.parametrize("dtype", OUTPUT_DTYPES, ids=dtype_id)
+def test_failed_status_gives_nan_rows(interp, dtype):
+    fmt = FORMATS["fp8_e4m3fn"]
+    staged = staged_bytes("fp8_e4m3fn", 17, seed=3)
+    out = torch.zeros(staged.shape[0], 17, dtype=dtype)
+    interp.decode_rows_triton(staged, fmt, 1.0, out, status=torch.ones(1, dtype=torch.int32))
+    assert out.isnan().all()
+
+
 def test_rejects_mismatched_shapes(interp):
     staged = torch.zeros(3, 17 * 2, dtype=torch.uint8)
     with pytest.raises(ValueError):
@@ -188,7 +197,7 @@ for cc in json.loads(sys.argv[1]):
     for fmt in json.loads(sys.argv[2]):
         for out in json.loads(sys.argv[3]):
             key = f"{cc}-{fmt}-{out}"
-            signature = {"staged_ptr": "*u8", "out_ptr": "*" + out, "cols": "i32", "row_bytes": "i32",
+            signature = {"staged_ptr": "*u8", "status_ptr": "*i32", "out_ptr": "*" + out, "cols": "i32", "row_bytes": "i32",
                          "scale": "fp32", "FMT": "constexpr", "BLOCK": "constexpr"}
             src = triton.compiler.ASTSource(fn=decode_rows_kernel, signature=signature,
                                             constexprs={"FMT": fmt, "BLOCK": MAX_BLOCK})

@@ -35,6 +35,7 @@ REQUEST = 2000
 COUNTER_KEYS = {
     "calls", "rows", "unique_pages", "advised_pages", "resident_pages", "evicted_before_copy",
     "max_advised_ahead_bytes", "bytes_copied", "major_faults", "minor_faults", "gather_ns",
+    "prefetch_hits", "prefetch_misses",
 }
 
 

@@ -1,0 +1,110 @@
+// The row gather as host work ordered in a CUDA stream.
+//
+// cuLaunchHostFunc puts a C function into a stream: it runs after the work
+// enqueued before it and before the work enqueued after it, and inside a
+// captured CUDA graph it becomes a host node that runs on every replay.  The
+// driver is reached with dlopen at run time, so this file needs no CUDA
+// toolkit to build and does nothing on a machine without a driver.
+//
+// A host function must never throw into the driver: failures are written to
+// the job's status word (which the decode kernel reads) and kept, by table
+// and stream, for the next operator call to raise.
+#include <dlfcn.h>
+
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "host_gather.h"
+
+namespace ple {
+
+namespace {
+
+using CUresult = int;
+using CUstream = void*;
+using CUhostFn = void (*)(void*);
+using LaunchHostFunc = CUresult (*)(CUstream, CUhostFn, void*);
+
+LaunchHostFunc launch_host_func() {
+  static const LaunchHostFunc fn = []() -> LaunchHostFunc {
+    void* driver = ::dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
+    if (driver == nullptr) return nullptr;
+    return reinterpret_cast<LaunchHostFunc>(::dlsym(driver, "cuLaunchHostFunc"));
+  }();
+  return fn;
+}
+
+struct HostGatherJob {
+  int64_t handle;
+  uintptr_t stream;
+  const int64_t* ids;  // pinned, written by a device-to-host copy ordered before
+  int64_t n;
+  uint8_t* staging;  // pinned, n * row_bytes
+  int32_t* status;   // pinned; 0 when the rows in staging are this job's
+  bool one_shot;     // eager launch: the job frees itself after it runs
+};
+
+std::mutex errors_mutex;
+std::map<std::pair<int64_t, uintptr_t>, std::string> pending_errors;
+
+// Jobs captured in a graph run on every replay, for as long as the graph
+// lives, which nothing here can know: they are kept for the process's life.
+std::mutex captured_mutex;
+std::vector<std::unique_ptr<HostGatherJob>> captured_jobs;
+
+void record_error(const HostGatherJob& job, const std::string& what) {
+  std::lock_guard<std::mutex> lock(errors_mutex);
+  pending_errors[{job.handle, job.stream}] = what;
+}
+
+void run_job(void* data) {
+  auto* job = static_cast<HostGatherJob*>(data);
+  *job->status = 1;
+  try {
+    std::shared_ptr<MappedTable> table = find_table(job->handle);
+    if (!table->take_prefetched(job->ids, job->n, job->staging)) {
+      gather_rows(*table, job->ids, /*ids_are_int64=*/true, job->n, job->staging);
+    }
+    *job->status = 0;
+  } catch (const std::exception& error) {
+    record_error(*job, error.what());
+  } catch (...) {
+    record_error(*job, "unknown error in the host gather");
+  }
+  if (job->one_shot) delete job;
+}
+
+}  // namespace
+
+void launch_host_gather(uintptr_t stream, int64_t handle, const int64_t* ids, int64_t n,
+                        uint8_t* staging, int32_t* status, bool capturing) {
+  const LaunchHostFunc launch = launch_host_func();
+  if (launch == nullptr) throw OsError("cannot find cuLaunchHostFunc in libcuda.so.1");
+  auto job = std::make_unique<HostGatherJob>(
+      HostGatherJob{handle, stream, ids, n, staging, status, !capturing});
+  const CUresult result = launch(reinterpret_cast<CUstream>(stream), run_job, job.get());
+  if (result != 0) {
+    throw std::runtime_error("cuLaunchHostFunc failed (CUresult " + std::to_string(result) + ")");
+  }
+  if (capturing) {
+    std::lock_guard<std::mutex> lock(captured_mutex);
+    captured_jobs.push_back(std::move(job));
+  } else {
+    job.release();  // run_job frees it
+  }
+}
+
+std::string take_host_error(int64_t handle, uintptr_t stream) {
+  std::lock_guard<std::mutex> lock(errors_mutex);
+  auto it = pending_errors.find({handle, stream});
+  if (it == pending_errors.end()) return "";
+  std::string what = std::move(it->second);
+  pending_errors.erase(it);
+  return what;
+}
+
+}  // namespace ple

@@ -1,0 +1,22 @@
+// The row gather as host work in a CUDA stream (see host_gather.cpp).
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "mapped_table.h"
+
+namespace ple {
+
+// Enqueues, on `stream` (a CUstream), the gather of the n int64 ids at `ids`
+// into `staging`; `status` is set to 0 when it succeeded, 1 when it failed.
+// All three pointers are pinned host memory that stays valid while the work
+// (or, when `capturing`, the graph it is captured into) may run.
+void launch_host_gather(uintptr_t stream, int64_t handle, const int64_t* ids, int64_t n,
+                        uint8_t* staging, int32_t* status, bool capturing);
+
+// The error of a failed host gather of this table on this stream, once; ""
+// when there was none.
+std::string take_host_error(int64_t handle, uintptr_t stream);
+
+}  // namespace ple

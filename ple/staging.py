@@ -1,0 +1,96 @@
+"""Pinned host buffers through which the CUDA operator moves rows: the ids
+(device to host) and the gathered rows (host to device), one set per table,
+device and stream."""
+
+from __future__ import annotations
+
+import mmap
+
+import torch
+
+PAGE = mmap.PAGESIZE
+
+
+class PinnedBuffer:
+    """Page-locked host memory of the size asked for, rounded up to a page.
+
+    torch's pinned allocator rounds every block up to a power of two (1 GiB +
+    1 MiB takes 2 GiB), so the memory is mapped here and registered with
+    cudaHostRegister instead; copies from it run at pinned speed and kernels
+    can read it over UVA.
+    """
+
+    def __init__(self, nbytes: int):
+        self._map = mmap.mmap(-1, max(PAGE, -(-nbytes // PAGE) * PAGE))
+        self.bytes = torch.frombuffer(self._map, dtype=torch.uint8)
+        torch.cuda.check_error(
+            torch.cuda.cudart().cudaHostRegister(self.bytes.data_ptr(), self.bytes.numel(), 0))
+        self.captured = False  # used by a CUDA graph: lives until the table closes
+
+    @property
+    def nbytes(self) -> int:
+        return self.bytes.numel()
+
+    def free(self) -> None:
+        if self.bytes is not None:
+            torch.cuda.check_error(torch.cuda.cudart().cudaHostUnregister(self.bytes.data_ptr()))
+            self.bytes = None
+
+
+class StreamStaging:
+    """The buffers of one table on one stream.  Work on a stream runs in
+    order, so a call may reuse the buffers of the call before it; a larger
+    request replaces them, and the old ones are freed once the stream has
+    passed the point where they were replaced (never, for buffers a graph
+    captured: those live until the table closes)."""
+
+    def __init__(self, stream: torch.cuda.Stream, row_bytes: int):
+        self.stream = stream
+        self.row_bytes = row_bytes
+        self.capacity = 0  # rows
+        self.ids: PinnedBuffer | None = None
+        self.rows: PinnedBuffer | None = None
+        self.status = PinnedBuffer(4)
+        self._retired: list[tuple[torch.cuda.Event | None, PinnedBuffer]] = []
+
+    def reserve(self, n: int, capturing: bool) -> None:
+        """Makes room for n rows (and marks the buffers captured when they
+        are about to be used in a graph)."""
+        self._free_retired(capturing)
+        if n > self.capacity:
+            old = [b for b in (self.ids, self.rows) if b is not None]
+            if old:
+                event = None if capturing else torch.cuda.Event()
+                if event is not None:
+                    event.record(self.stream)
+                self._retired += [(event, b) for b in old]
+            self.ids = PinnedBuffer(8 * n)
+            self.rows = PinnedBuffer(self.row_bytes * n)
+            self.capacity = n
+        if capturing:
+            for buffer in (self.ids, self.rows, self.status):
+                buffer.captured = True
+
+    def _free_retired(self, capturing: bool) -> None:
+        if capturing:
+            return  # an event cannot be queried while a stream captures
+        keep = []
+        for event, buffer in self._retired:
+            if buffer.captured or event is None or not event.query():
+                keep.append((event, buffer))
+            else:
+                buffer.free()
+        self._retired = keep
+
+    def nbytes(self) -> int:
+        live = [b for b in (self.ids, self.rows, self.status) if b is not None]
+        return sum(b.nbytes for b in live) + sum(b.nbytes for _, b in self._retired)
+
+    def free(self) -> None:
+        """Frees every buffer; the caller has synchronized the stream."""
+        for buffer in (self.ids, self.rows, self.status, *(b for _, b in self._retired)):
+            if buffer is not None:
+                buffer.free()
+        self.ids = self.rows = None
+        self._retired = []
+        self.capacity = 0

@@ -1,0 +1,60 @@
+"""table.prefetch: a gather started ahead on a background thread, taken by the
+next gather of the same ids, byte-identical to a gather without it."""
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import save_file
+
+import ple
+
+ROWS, ROW_BYTES = 3000, 160
+
+
+@pytest.fixture(scope="module")
+def table_and_reference(tmp_path_factory):
+    reference = np.random.default_rng(5).integers(0, 256, (ROWS, ROW_BYTES), dtype=np.uint8)
+    path = tmp_path_factory.mktemp("prefetch") / "t.safetensors"
+    save_file({"t": torch.from_numpy(reference)}, str(path))
+    with ple.Table.from_safetensors(path) as table:
+        yield table, reference
+
+
+def test_matching_ids_take_the_prefetched_rows(table_and_reference):
+    table, reference = table_and_reference
+    ids = torch.from_numpy(np.random.default_rng(1).integers(0, ROWS, 2500))
+    table.reset_stats()
+    table.prefetch(ids)
+    rows = torch.ops.ple.disk_gather_bytes(ids, table.handle)
+    assert np.array_equal(rows.numpy(), reference[ids.numpy()])
+    stats = table.stats()
+    assert (stats["prefetch_hits"], stats["prefetch_misses"]) == (1, 0)
+    assert stats["calls"] == 1  # the prefetch's gather; the operator took its rows
+
+
+def test_other_ids_are_gathered_and_counted_as_a_miss(table_and_reference):
+    table, reference = table_and_reference
+    ids = torch.arange(10)
+    table.reset_stats()
+    table.prefetch(ids + 1)
+    rows = torch.ops.ple.disk_gather_bytes(ids, table.handle)
+    assert np.array_equal(rows.numpy(), reference[ids.numpy()])
+    assert table.stats()["prefetch_misses"] == 1
+    # the pending prefetch is still there for its own ids
+    rows = torch.ops.ple.disk_gather_bytes(ids + 1, table.handle)
+    assert np.array_equal(rows.numpy(), reference[ids.numpy() + 1])
+    assert table.stats()["prefetch_hits"] == 1
+
+
+def test_a_prefetch_of_a_bad_id_leaves_the_error_to_the_gather(table_and_reference):
+    table, _ = table_and_reference
+    ids = torch.tensor([0, ROWS])
+    table.prefetch(ids)
+    with pytest.raises(IndexError, match=rf"row id {ROWS} at position 1 is out of range \[0, {ROWS}\)"):
+        torch.ops.ple.disk_gather_bytes(ids, table.handle)
+
+
+def test_prefetch_rejects_float_ids(table_and_reference):
+    table, _ = table_and_reference
+    with pytest.raises(TypeError, match="int32 or int64"):
+        table.prefetch(torch.zeros(3))
