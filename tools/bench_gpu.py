@@ -1,0 +1,167 @@
+"""GPU benchmark of torch.ops.ple.disk_gather: 160 B FP8 rows decoded to
+bfloat16, for a decode step (16 rows) and a 2,048-token prefill chunk of 16
+heads (32,768 rows), warm and cold.
+
+    python tools/bench_gpu.py [--mib 1024] [--calls 50]
+
+Per case it prints the median time per call of the operator in eager mode
+(staged rows read by the kernel over UVA, and copied to the device first),
+replayed in a CUDA graph, its parts (host gather, host-to-device copy,
+kernel), and a plain PyTorch baseline (NumPy fancy indexing of a memmap,
+torch.from_numpy, .to("cuda"), decode in torch); then the pinned
+host-to-device and device-to-device copy bandwidths.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import ple  # noqa: E402
+from make_table import PREFIX, ensure_table  # noqa: E402
+from ple.kernels.decode_triton import decode_rows_triton  # noqa: E402
+from ple.ops import disk_gather_cuda  # noqa: E402
+from ple.safetensors_header import read_header  # noqa: E402
+from ple.staging import PinnedBuffer  # noqa: E402
+
+ROW_BYTES = 160
+SIZES = (16, 32768)
+
+
+def median_us(fn, calls: int, before=None) -> float:
+    """Median wall time of fn() followed by a device synchronize, in us."""
+    times = []
+    for i in range(calls):
+        if before is not None:
+            before(i)
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn(i)
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e6
+
+
+def device_us(fn, calls: int) -> float:
+    """Median device time of fn() by CUDA events, in us."""
+    times = []
+    for _ in range(calls):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3)
+    return statistics.median(times)
+
+
+def bandwidth_gbs(src: torch.Tensor, dst: torch.Tensor, calls: int = 20) -> float:
+    us = device_us(lambda: dst.copy_(src, non_blocking=True), calls)
+    return src.numel() * src.element_size() / us / 1e3
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--table", type=Path, default=Path("data/gpu_bench_table"))
+    parser.add_argument("--mib", type=float, default=1024)
+    parser.add_argument("--calls", type=int, default=50, help="timed calls per measurement")
+    parser.add_argument("--cold-calls", type=int, default=8)
+    args = parser.parse_args()
+
+    num_rows = int(args.mib * 2**20) // ROW_BYTES
+    ensure_table(args.table, rows=num_rows, row_bytes=ROW_BYTES, shards=1, files=1)
+    path = next(args.table.glob("*.safetensors"))
+    entry = read_header(path)[f"{PREFIX}.shard_0.weight"]
+    memmap = np.memmap(path, dtype=np.uint8, mode="r", offset=entry.offset,
+                       shape=(num_rows, ROW_BYTES))
+    device = torch.device("cuda")
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; table {path} "
+          f"({num_rows:,} rows of {ROW_BYTES} B)", file=sys.stderr)
+
+    with ple.Table.from_safetensors(args.table, PREFIX) as table:
+        fmt, scale = table.row_format, table.scale
+        gen = torch.Generator().manual_seed(0)
+        results = []
+        for state in ("warm", "cold"):
+            if state == "warm":
+                with open(path, "rb") as f:  # bring the whole table into the page cache
+                    while f.read(64 << 20):
+                        pass
+            calls = args.calls if state == "warm" else args.cold_calls
+            drop = None if state == "warm" else (lambda i: table.drop_page_cache())
+            for n in SIZES:
+                requests = [torch.randint(0, num_rows, (n,), generator=gen) for _ in range(calls)]
+                cuda_requests = [r.to(device) for r in requests]
+                row = {"state": state, "rows": n}
+
+                for variant, threshold in (("eager_uva_us", 1 << 62), ("eager_copy_us", -1)):
+                    disk_gather_cuda.UVA_MAX_BYTES = threshold
+                    torch.ops.ple.disk_gather(cuda_requests[0], table.handle, torch.bfloat16)
+                    row[variant] = median_us(
+                        lambda i: torch.ops.ple.disk_gather(cuda_requests[i], table.handle,
+                                                            torch.bfloat16), calls, drop)
+                disk_gather_cuda.UVA_MAX_BYTES = 1 << 20
+
+                static_ids = cuda_requests[0].clone()
+                torch.ops.ple.disk_gather(static_ids, table.handle, torch.bfloat16)
+                torch.cuda.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    torch.ops.ple.disk_gather(static_ids, table.handle, torch.bfloat16)
+
+                def set_ids(i):
+                    static_ids.copy_(cuda_requests[i])
+                    if drop is not None:
+                        drop(i)
+                row["graph_us"] = median_us(lambda i: graph.replay(), calls, set_ids)
+
+                pinned = PinnedBuffer(n * ROW_BYTES)
+                staged = pinned.bytes[: n * ROW_BYTES].view(n, ROW_BYTES)
+                row["host_gather_us"] = median_us(
+                    lambda i: table.gather_bytes(requests[i], out=staged), calls, drop)
+                staged_dev = torch.empty_like(staged, device=device)
+                row["h2d_us"] = device_us(lambda: staged_dev.copy_(staged, non_blocking=True), 20)
+                out = torch.empty(n, table.cols, dtype=torch.bfloat16, device=device)
+                decode_rows_triton(staged_dev, fmt, scale, out)
+                row["kernel_us"] = device_us(lambda: decode_rows_triton(staged_dev, fmt, scale, out), 20)
+                pinned.free()
+
+                def baseline(i):
+                    rows = torch.from_numpy(memmap[requests[i].numpy()]).to(device)
+                    return (rows.view(torch.float8_e4m3fn).float() * scale).to(torch.bfloat16)
+
+                expected = baseline(0)
+                got = torch.ops.ple.disk_gather(cuda_requests[0], table.handle, torch.bfloat16)
+                assert torch.equal(got, expected), "operator and baseline disagree"
+                row["baseline_us"] = median_us(baseline, calls, drop)
+                results.append(row)
+                print(f"  {state} {n} rows done", file=sys.stderr)
+
+        big = 256 << 20
+        host = PinnedBuffer(big)
+        dev_a, dev_b = torch.empty(big, dtype=torch.uint8, device=device), torch.empty(
+            big, dtype=torch.uint8, device=device)
+        h2d = bandwidth_gbs(host.bytes, dev_a)
+        d2d = bandwidth_gbs(dev_a, dev_b)
+        host.free()
+
+    cols = ("eager_uva_us", "eager_copy_us", "graph_us", "host_gather_us", "h2d_us",
+            "kernel_us", "baseline_us")
+    print(f"{'state':<5} {'rows':>6} " + " ".join(f"{c:>15}" for c in cols) + f" {'speedup':>8}")
+    for r in results:
+        best = min(r["eager_uva_us"], r["eager_copy_us"])
+        print(f"{r['state']:<5} {r['rows']:>6} " + " ".join(f"{r[c]:>15.1f}" for c in cols)
+              + f" {r['baseline_us'] / best:>7.1f}x")
+    print(f"\npinned host-to-device copy: {h2d:.1f} GB/s; device-to-device copy: {d2d:.1f} GB/s "
+          f"(ratio {d2d / h2d:.1f}); speedup = baseline / best eager")
+
+
+if __name__ == "__main__":
+    main()
