@@ -84,6 +84,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                                 reinterpret_cast<int32_t*>(status), capturing);
       },
       "Enqueues the gather of pinned ids into pinned staging on a CUDA stream");
+  m.def("register_host_memory", [](uintptr_t data, size_t bytes) {
+    ple::register_host_memory(reinterpret_cast<void*>(data), bytes);
+  });
+  m.def("unregister_host_memory", [](uintptr_t data) {
+    ple::unregister_host_memory(reinterpret_cast<void*>(data));
+  });
   m.def("take_host_error", &ple::take_host_error,
         "The error of a failed host gather of a table on a stream, once");
   m.def("drop_page_cache", [](int64_t h) { table_of(h)->drop_page_cache(); });

@@ -1,4 +1,5 @@
-// The row gather as host work ordered in a CUDA stream.
+// The row gather as host work ordered in a CUDA stream, and the page-locked
+// host memory it fills.
 //
 // cuLaunchHostFunc puts a C function into a stream: it runs after the work
 // enqueued before it and before the work enqueued after it, and inside a
@@ -27,16 +28,49 @@ namespace {
 using CUresult = int;
 using CUstream = void*;
 using CUhostFn = void (*)(void*);
-using LaunchHostFunc = CUresult (*)(CUstream, CUhostFn, void*);
 
-LaunchHostFunc launch_host_func() {
-  static const LaunchHostFunc fn = []() -> LaunchHostFunc {
-    void* driver = ::dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
-    if (driver == nullptr) return nullptr;
-    return reinterpret_cast<LaunchHostFunc>(::dlsym(driver, "cuLaunchHostFunc"));
+// The few driver entry points this file uses, found at run time.
+struct Driver {
+  CUresult (*launch_host_func)(CUstream, CUhostFn, void*) = nullptr;
+  CUresult (*mem_host_register)(void*, size_t, unsigned) = nullptr;
+  CUresult (*mem_host_unregister)(void*) = nullptr;
+  CUresult (*exchange_capture_mode)(int*) = nullptr;
+};
+
+const Driver& driver() {
+  static const Driver loaded = [] {
+    Driver d;
+    void* lib = ::dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
+    if (lib == nullptr) return d;
+    d.launch_host_func = reinterpret_cast<decltype(d.launch_host_func)>(::dlsym(lib, "cuLaunchHostFunc"));
+    d.mem_host_register = reinterpret_cast<decltype(d.mem_host_register)>(::dlsym(lib, "cuMemHostRegister_v2"));
+    d.mem_host_unregister = reinterpret_cast<decltype(d.mem_host_unregister)>(::dlsym(lib, "cuMemHostUnregister"));
+    d.exchange_capture_mode =
+        reinterpret_cast<decltype(d.exchange_capture_mode)>(::dlsym(lib, "cuThreadExchangeStreamCaptureMode"));
+    return d;
   }();
-  return fn;
+  if (loaded.launch_host_func == nullptr || loaded.mem_host_register == nullptr ||
+      loaded.mem_host_unregister == nullptr || loaded.exchange_capture_mode == nullptr) {
+    throw OsError("cannot load the CUDA driver (libcuda.so.1) or find its entry points");
+  }
+  return loaded;
 }
+
+void check(CUresult result, const char* what) {
+  if (result != 0) throw std::runtime_error(std::string(what) + " failed (CUresult " + std::to_string(result) + ")");
+}
+
+// Page-locking memory is refused while any stream captures a graph in the
+// default (global) mode; like torch's own allocator, this thread switches to
+// the relaxed mode for the call, which allows it.
+class RelaxedCaptureMode {
+ public:
+  RelaxedCaptureMode() { check(driver().exchange_capture_mode(&mode_), "cuThreadExchangeStreamCaptureMode"); }
+  ~RelaxedCaptureMode() { driver().exchange_capture_mode(&mode_); }
+
+ private:
+  int mode_ = 2;  // CU_STREAM_CAPTURE_MODE_RELAXED
+};
 
 struct HostGatherJob {
   int64_t handle;
@@ -80,16 +114,23 @@ void run_job(void* data) {
 
 }  // namespace
 
+void register_host_memory(void* data, size_t bytes) {
+  RelaxedCaptureMode relaxed;
+  // PORTABLE: pinned for every context; DEVICEMAP: kernels may read it (UVA).
+  check(driver().mem_host_register(data, bytes, 0x01 | 0x02), "cuMemHostRegister");
+}
+
+void unregister_host_memory(void* data) {
+  RelaxedCaptureMode relaxed;
+  check(driver().mem_host_unregister(data), "cuMemHostUnregister");
+}
+
 void launch_host_gather(uintptr_t stream, int64_t handle, const int64_t* ids, int64_t n,
                         uint8_t* staging, int32_t* status, bool capturing) {
-  const LaunchHostFunc launch = launch_host_func();
-  if (launch == nullptr) throw OsError("cannot find cuLaunchHostFunc in libcuda.so.1");
   auto job = std::make_unique<HostGatherJob>(
       HostGatherJob{handle, stream, ids, n, staging, status, !capturing});
-  const CUresult result = launch(reinterpret_cast<CUstream>(stream), run_job, job.get());
-  if (result != 0) {
-    throw std::runtime_error("cuLaunchHostFunc failed (CUresult " + std::to_string(result) + ")");
-  }
+  check(driver().launch_host_func(reinterpret_cast<CUstream>(stream), run_job, job.get()),
+        "cuLaunchHostFunc");
   if (capturing) {
     std::lock_guard<std::mutex> lock(captured_mutex);
     captured_jobs.push_back(std::move(job));

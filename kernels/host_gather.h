@@ -15,6 +15,11 @@ namespace ple {
 void launch_host_gather(uintptr_t stream, int64_t handle, const int64_t* ids, int64_t n,
                         uint8_t* staging, int32_t* status, bool capturing);
 
+// Page-locks host memory for the CUDA operator (also while a graph is being
+// captured, which cudaHostRegister refuses), and undoes it.
+void register_host_memory(void* data, size_t bytes);
+void unregister_host_memory(void* data);
+
 // The error of a failed host gather of this table on this stream, once; ""
 // when there was none.
 std::string take_host_error(int64_t handle, uintptr_t stream);

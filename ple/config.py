@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import asdict, dataclass
+import os
+from dataclasses import asdict, dataclass, field
 from typing import ClassVar
 
 POLICIES = ("window", "distance", "all", "none")
@@ -21,12 +22,14 @@ class GatherConfig:
         "none" never advises.
     prefetch_window_kib: the window; 0 means no advice at all.
     threads: a request of at least 256 rows per thread is split by address
-        range over this many threads, each with its own window.
+        range over this many threads, each with its own window.  Default:
+        the machine's CPUs, at most 16 (a warm gather is bound by page
+        faults, which scale with threads).
     """
 
     policy: str = "window"
     prefetch_window_kib: int = 4096
-    threads: int = 4
+    threads: int = field(default_factory=lambda: min(16, os.cpu_count() or 1))
 
     # Fields that change how rows are read but never which bytes come back.
     IO_ONLY_FIELDS: ClassVar[frozenset[str]] = frozenset(

@@ -8,6 +8,8 @@ import mmap
 
 import torch
 
+from .kernels.native import native
+
 PAGE = mmap.PAGESIZE
 
 
@@ -15,16 +17,15 @@ class PinnedBuffer:
     """Page-locked host memory of the size asked for, rounded up to a page.
 
     torch's pinned allocator rounds every block up to a power of two (1 GiB +
-    1 MiB takes 2 GiB), so the memory is mapped here and registered with
-    cudaHostRegister instead; copies from it run at pinned speed and kernels
-    can read it over UVA.
+    1 MiB takes 2 GiB), so the memory is mapped here and page-locked by the
+    native part (which may do so while a CUDA graph is being captured);
+    copies from it run at pinned speed and kernels can read it over UVA.
     """
 
     def __init__(self, nbytes: int):
         self._map = mmap.mmap(-1, max(PAGE, -(-nbytes // PAGE) * PAGE))
         self.bytes = torch.frombuffer(self._map, dtype=torch.uint8)
-        torch.cuda.check_error(
-            torch.cuda.cudart().cudaHostRegister(self.bytes.data_ptr(), self.bytes.numel(), 0))
+        native.register_host_memory(self.bytes.data_ptr(), self.bytes.numel())
         self.captured = False  # used by a CUDA graph: lives until the table closes
 
     @property
@@ -33,7 +34,7 @@ class PinnedBuffer:
 
     def free(self) -> None:
         if self.bytes is not None:
-            torch.cuda.check_error(torch.cuda.cudart().cudaHostUnregister(self.bytes.data_ptr()))
+            native.unregister_host_memory(self.bytes.data_ptr())
             self.bytes = None
 
 

@@ -613,7 +613,7 @@ def test_closing_one_table_leaves_another_open(tmp_path):
 
 def test_config_defaults():
     c = GatherConfig()
-    assert (c.policy, c.prefetch_window_kib, c.threads) == ("window", 4096, 4)
+    assert (c.policy, c.prefetch_window_kib, c.threads) == ("window", 4096, min(16, os.cpu_count()))
 
 
 @pytest.mark.parametrize("policy", ple.POLICIES)
