@@ -9,12 +9,10 @@
 #include <chrono>
 #include <cstring>
 #include <string>
-#include <exception>
 #include <memory>
-#include <system_error>
-#include <thread>
 
 #include "mapped_table.h"
+#include "worker_pool.h"
 
 namespace ple {
 
@@ -238,30 +236,98 @@ class ChunkGather {
   ChunkCounters counters_;
 };
 
+// Slice p of `parts` near-equal slices of [0, n).
+int64_t slice_begin(int64_t n, int parts, int p) { return n * p / parts; }
+
 template <typename Id>
-void validate_and_address(const MappedTable& table, const Id* ids, int64_t n,
+void validate_and_address(const MappedTable& table, const Id* ids, int64_t n, int parts,
                           std::vector<RowRef>& rows) {
   const int64_t num_rows = table.num_rows();
-  for (int64_t i = 0; i < n; ++i) {
-    const int64_t id = static_cast<int64_t>(ids[i]);
-    if (id < 0 || id >= num_rows) {
-      throw std::out_of_range("row id " + std::to_string(id) + " at position " +
-                              std::to_string(i) + " is out of range [0, " +
-                              std::to_string(num_rows) + ")");
-    }
-  }
   rows.resize(n);
-  for (int64_t i = 0; i < n; ++i) {
-    rows[i] = {reinterpret_cast<uintptr_t>(table.row_address(static_cast<int64_t>(ids[i]))), i};
+  std::vector<int64_t> first_bad(parts, -1);
+  run_parallel(parts, [&](int p) {
+    for (int64_t i = slice_begin(n, parts, p); i < slice_begin(n, parts, p + 1); ++i) {
+      const int64_t id = static_cast<int64_t>(ids[i]);
+      if (id < 0 || id >= num_rows) {
+        first_bad[p] = i;
+        return;
+      }
+      rows[i] = {reinterpret_cast<uintptr_t>(table.row_address(id)), i};
+    }
+  });
+  for (const int64_t i : first_bad) {
+    if (i < 0) continue;
+    throw std::out_of_range("row id " + std::to_string(static_cast<int64_t>(ids[i])) +
+                            " at position " + std::to_string(i) + " is out of range [0, " +
+                            std::to_string(num_rows) + ")");
   }
 }
 
-// Splits sorted rows into at most `threads` chunks of similar size whose
+bool address_order(const RowRef& a, const RowRef& b) {
+  return a.address != b.address ? a.address < b.address : a.position < b.position;
+}
+
+// Sorts rows by address with `parts` threads: each slice of the request is
+// dealt into address buckets, then each thread sorts a run of buckets.
+void sort_by_address(std::vector<RowRef>& rows, int parts) {
+  if (parts <= 1) {
+    std::sort(rows.begin(), rows.end(), address_order);
+    return;
+  }
+  const int64_t n = rows.size();
+  const int buckets = parts * 8;
+  uintptr_t lo = UINTPTR_MAX, hi = 0;
+  for (const RowRef& row : rows) {
+    lo = std::min(lo, row.address);
+    hi = std::max(hi, row.address);
+  }
+  const unsigned __int128 span = static_cast<unsigned __int128>(hi - lo) + 1;
+  auto bucket_of = [&](uintptr_t address) {
+    return static_cast<int>(static_cast<unsigned __int128>(address - lo) * buckets / span);
+  };
+  std::vector<int64_t> slots(static_cast<size_t>(parts) * buckets, 0);  // [part][bucket]
+  run_parallel(parts, [&](int p) {
+    for (int64_t i = slice_begin(n, parts, p); i < slice_begin(n, parts, p + 1); ++i) {
+      ++slots[p * buckets + bucket_of(rows[i].address)];
+    }
+  });
+  std::vector<int64_t> bucket_begin(buckets + 1);
+  int64_t total = 0;
+  for (int b = 0; b < buckets; ++b) {
+    bucket_begin[b] = total;
+    for (int p = 0; p < parts; ++p) {
+      const int64_t count = slots[p * buckets + b];
+      slots[p * buckets + b] = total;  // from count to where the part's rows go
+      total += count;
+    }
+  }
+  bucket_begin[buckets] = n;
+  std::vector<RowRef> dealt(n);
+  run_parallel(parts, [&](int p) {
+    int64_t* next = &slots[p * buckets];
+    for (int64_t i = slice_begin(n, parts, p); i < slice_begin(n, parts, p + 1); ++i) {
+      dealt[next[bucket_of(rows[i].address)]++] = rows[i];
+    }
+  });
+  std::vector<int> first_bucket{0};
+  for (int p = 1; p < parts; ++p) {
+    int b = first_bucket.back();
+    while (b < buckets && bucket_begin[b] < slice_begin(n, parts, p)) ++b;
+    first_bucket.push_back(b);
+  }
+  first_bucket.push_back(buckets);
+  run_parallel(parts, [&](int p) {
+    std::sort(dealt.begin() + bucket_begin[first_bucket[p]],
+              dealt.begin() + bucket_begin[first_bucket[p + 1]], address_order);
+  });
+  rows.swap(dealt);
+}
+
+// Splits sorted rows into at most `chunks` chunks of similar size whose
 // pages do not overlap, so that no page is advised or counted twice.
 std::vector<int64_t> chunk_starts(const std::vector<RowRef>& rows, int64_t row_bytes,
-                                  int threads) {
+                                  int chunks) {
   const int64_t n = rows.size();
-  const int64_t chunks = std::max<int64_t>(1, std::min<int64_t>(threads, n / kMinRowsPerThread));
   std::vector<int64_t> starts{0};
   for (int64_t c = 1; c < chunks; ++c) {
     int64_t start = std::max(n * c / chunks, starts.back() + 1);
@@ -281,43 +347,25 @@ std::vector<int64_t> chunk_starts(const std::vector<RowRef>& rows, int64_t row_b
 void gather_rows(MappedTable& table, const void* ids, bool ids_are_int64, int64_t n,
                  uint8_t* out) {
   const auto t0 = std::chrono::steady_clock::now();
+  const GatherConfig config = table.config();
+  const int parts = static_cast<int>(
+      std::max<int64_t>(1, std::min<int64_t>(config.threads, n / kMinRowsPerThread)));
   std::vector<RowRef> rows;
   if (ids_are_int64) {
-    validate_and_address(table, static_cast<const int64_t*>(ids), n, rows);
+    validate_and_address(table, static_cast<const int64_t*>(ids), n, parts, rows);
   } else {
-    validate_and_address(table, static_cast<const int32_t*>(ids), n, rows);
+    validate_and_address(table, static_cast<const int32_t*>(ids), n, parts, rows);
   }
-  std::sort(rows.begin(), rows.end(), [](const RowRef& a, const RowRef& b) {
-    return a.address != b.address ? a.address < b.address : a.position < b.position;
-  });
+  sort_by_address(rows, parts);
 
-  const GatherConfig config = table.config();
   const int64_t row_bytes = table.row_bytes();
-  const std::vector<int64_t> starts = chunk_starts(rows, row_bytes, config.threads);
-  const size_t chunks = starts.size() - 1;
+  const std::vector<int64_t> starts = chunk_starts(rows, row_bytes, parts);
+  const int chunks = static_cast<int>(starts.size()) - 1;
   std::vector<ChunkCounters> results(chunks);
-  std::vector<std::exception_ptr> errors(chunks);
-  auto run_chunk = [&](size_t c) {
-    try {
-      ChunkGather gather(rows.data() + starts[c], starts[c + 1] - starts[c], row_bytes, out, config);
-      results[c] = gather.run();
-    } catch (...) {
-      errors[c] = std::current_exception();
-    }
-  };
-  std::vector<std::thread> workers;
-  for (size_t c = 1; c < chunks; ++c) {
-    try {
-      workers.emplace_back(run_chunk, c);
-    } catch (const std::system_error&) {
-      run_chunk(c);  // no thread to be had: this one does the chunk
-    }
-  }
-  run_chunk(0);
-  for (auto& worker : workers) worker.join();
-  for (const auto& error : errors) {
-    if (error) std::rethrow_exception(error);
-  }
+  run_parallel(chunks, [&](int c) {
+    ChunkGather gather(rows.data() + starts[c], starts[c + 1] - starts[c], row_bytes, out, config);
+    results[c] = gather.run();
+  });
 
   GatherCounters& counters = table.counters();
   uint64_t max_ahead = 0;
