@@ -7,9 +7,11 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdint>
 #include <cstring>
-#include <string>
 #include <memory>
+#include <string>
+#include <vector>
 
 #include "mapped_table.h"
 #include "worker_pool.h"
