@@ -38,12 +38,14 @@ struct ChunkCounters {
 
 enum PageState : uint8_t { kUnseen, kResident, kAdvised, kAdvisedCopied };
 
-// One mincore call answers for every requested page within this many pages
-// of the first one asked about: a syscall per page would cost more than the
-// copy of a warm request.
-constexpr uintptr_t kProbeSpanPages = 64;
+// One mincore call answers for a run of requested pages that lie at most
+// kProbeGapPages apart, up to kProbeSpanPages in all: in the kernel a page
+// costs far less than a call, and with one call per page the probes of a
+// warm request cost more than its copy.
+constexpr uintptr_t kProbeGapPages = 64;
+constexpr uintptr_t kProbeSpanPages = 4096;
 
-// Residency of a sorted list of pages, asked of mincore a span at a time.
+// Residency of a sorted list of pages, asked of mincore a run at a time.
 class ResidencyProbe {
  public:
   explicit ResidencyProbe(const std::vector<uintptr_t>& pages)
@@ -59,23 +61,27 @@ class ResidencyProbe {
 
   void probe_from(size_t i) {
     size_t end = i + 1;
-    while (end < pages_.size() && pages_[end] - pages_[i] < kProbeSpanPages * kPage) ++end;
-    unsigned char vec[kProbeSpanPages];
+    while (end < pages_.size() && pages_[end] - pages_[end - 1] <= kProbeGapPages * kPage &&
+           pages_[end] - pages_[i] < kProbeSpanPages * kPage) {
+      ++end;
+    }
+    vec_.resize(kProbeSpanPages);
     const uintptr_t length = pages_[end - 1] - pages_[i] + kPage;
-    if (::mincore(reinterpret_cast<void*>(pages_[i]), length, vec) == 0) {
-      for (size_t j = i; j < end; ++j) known_[j] = vec[(pages_[j] - pages_[i]) / kPage] & 1 ? kYes : kNo;
+    if (::mincore(reinterpret_cast<void*>(pages_[i]), length, vec_.data()) == 0) {
+      for (size_t j = i; j < end; ++j) known_[j] = vec_[(pages_[j] - pages_[i]) / kPage] & 1 ? kYes : kNo;
       return;
     }
-    // The span crossed a hole between two files' mappings: ask page by page.
+    // The run crossed a hole between two files' mappings: ask page by page.
     for (size_t j = i; j < end; ++j) {
-      const bool ok = ::mincore(reinterpret_cast<void*>(pages_[j]), kPage, vec) == 0;
+      const bool ok = ::mincore(reinterpret_cast<void*>(pages_[j]), kPage, vec_.data()) == 0;
       // An error here only costs advice that was not needed.
-      known_[j] = ok && (vec[0] & 1) ? kYes : kNo;
+      known_[j] = ok && (vec_[0] & 1) ? kYes : kNo;
     }
   }
 
   const std::vector<uintptr_t>& pages_;
   std::vector<uint8_t> known_;
+  std::vector<unsigned char> vec_;
 };
 
 uint64_t thread_major_faults() {
