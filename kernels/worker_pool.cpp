@@ -1,6 +1,5 @@
 #include "worker_pool.h"
 
-#include <atomic>
 #include <condition_variable>
 #include <exception>
 #include <mutex>
@@ -24,7 +23,7 @@ class WorkerPool {
       count_ = count;
       unfinished_ = count;
       error_ = nullptr;
-      generation_.fetch_add(1);
+      ++generation_;
     }
     wake_.notify_all();
     execute(0);
@@ -74,22 +73,14 @@ class WorkerPool {
   void work() {
     uint64_t seen = 0;
     for (;;) {
-      // A gather runs several parallel phases back to back, and waking a
-      // sleeping thread costs more than a phase: look for the next job a
-      // while before sleeping.
-      for (int spin = 0; spin < kSpins && generation_.load() == seen; ++spin) {
-        std::this_thread::yield();
-      }
       {
         std::unique_lock<std::mutex> lock(mutex_);
-        wake_.wait(lock, [&] { return generation_.load() != seen; });
-        seen = generation_.load();
+        wake_.wait(lock, [&] { return generation_ != seen; });
+        seen = generation_;
       }
       take_tasks();
     }
   }
-
-  static constexpr int kSpins = 2000;
 
   std::mutex job_mutex_;
   std::mutex mutex_;
@@ -97,7 +88,7 @@ class WorkerPool {
   std::vector<std::thread> threads_;
   const std::function<void(int)>* task_ = nullptr;
   int next_ = 0, count_ = 0, unfinished_ = 0;
-  std::atomic<uint64_t> generation_{0};
+  uint64_t generation_ = 0;
   std::exception_ptr error_;
 };
 
