@@ -183,6 +183,16 @@ bool MappedTable::take_prefetched(const int64_t* ids, int64_t n, uint8_t* out) {
   return true;
 }
 
+std::string MappedTable::locate(uintptr_t address) const {
+  for (const auto& file : files_) {
+    const auto base = reinterpret_cast<uintptr_t>(file.base);
+    if (address >= base && address < base + file.size) {
+      return file.path + ", byte " + std::to_string(address - base);
+    }
+  }
+  return "an address outside the table's files";
+}
+
 GatherConfig MappedTable::config() const {
   std::lock_guard<std::mutex> lock(config_mutex_);
   return config_;

@@ -93,6 +93,9 @@ class MappedTable {
     return shards_[shard].data + (id - shard * rows_per_shard_) * row_bytes_;
   }
 
+  // "<file>, byte <offset>" of an address inside one of the table's files.
+  std::string locate(uintptr_t address) const;
+
   GatherConfig config() const;
   void set_config(const GatherConfig& config);
 

@@ -13,6 +13,7 @@
 #include <string>
 #include <vector>
 
+#include "fault_guard.h"
 #include "mapped_table.h"
 #include "worker_pool.h"
 
@@ -28,6 +29,13 @@ const uintptr_t kPage = static_cast<uintptr_t>(::sysconf(_SC_PAGESIZE));
 struct RowRef {
   uintptr_t address;
   int64_t position;  // index in the request
+};
+
+// A row whose bytes could not be read: its copy raised SIGBUS.
+struct RowFault : std::exception {
+  explicit RowFault(RowRef row) : row(row) {}
+  const char* what() const noexcept override { return "a row could not be read"; }
+  RowRef row;
 };
 
 struct ChunkCounters {
@@ -222,13 +230,10 @@ class ChunkGather {
     }
     uint8_t* dst = out_ + rows_[k].position * row_bytes_;
     const void* src = reinterpret_cast<const void*>(rows_[k].address);
-    if (!(watch && all_considered)) {
-      std::memcpy(dst, src, row_bytes_);
-      return;
-    }
-    const uint64_t before = thread_major_faults();
-    std::memcpy(dst, src, row_bytes_);
-    counters_.evicted_before_copy += thread_major_faults() - before;
+    const bool count_evictions = watch && all_considered;
+    const uint64_t before = count_evictions ? thread_major_faults() : 0;
+    if (!guarded_copy(dst, src, row_bytes_)) throw RowFault(rows_[k]);
+    if (count_evictions) counters_.evicted_before_copy += thread_major_faults() - before;
   }
 
   const RowRef* rows_;
@@ -370,10 +375,19 @@ void gather_rows(MappedTable& table, const void* ids, bool ids_are_int64, int64_
   const std::vector<int64_t> starts = chunk_starts(rows, row_bytes, parts);
   const int chunks = static_cast<int>(starts.size()) - 1;
   std::vector<ChunkCounters> results(chunks);
-  run_parallel(chunks, [&](int c) {
-    ChunkGather gather(rows.data() + starts[c], starts[c + 1] - starts[c], row_bytes, out, config);
-    results[c] = gather.run();
-  });
+  ensure_fault_handler();
+  try {
+    run_parallel(chunks, [&](int c) {
+      ChunkGather gather(rows.data() + starts[c], starts[c + 1] - starts[c], row_bytes, out, config);
+      results[c] = gather.run();
+    });
+  } catch (const RowFault& fault) {
+    const int64_t id = ids_are_int64 ? static_cast<const int64_t*>(ids)[fault.row.position]
+                                     : static_cast<const int32_t*>(ids)[fault.row.position];
+    throw OsError(table.locate(fault.row.address) + ": row " + std::to_string(id) +
+                  " could not be read (the file is shorter than when the table was opened, "
+                  "or the disk failed to read the page)");
+  }
 
   GatherCounters& counters = table.counters();
   uint64_t max_ahead = 0;

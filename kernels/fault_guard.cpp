@@ -1,0 +1,84 @@
+#include "fault_guard.h"
+
+#include <setjmp.h>
+#include <signal.h>
+
+#include <atomic>
+#include <cstring>
+#include <mutex>
+
+namespace ple {
+
+namespace {
+
+// Where a guarded copy on this thread jumps back to; null outside one.
+// volatile, and fenced below: the compiler sees that memcpy never reads it
+// and would otherwise drop the store before the copy.
+thread_local sigjmp_buf* volatile active_guard = nullptr;
+
+std::mutex install_mutex;
+struct sigaction previous_handler;  // what SIGBUS did before ours
+
+thread_local bool forwarding = false;
+
+// The default action: for a fault, the access runs again on return and is
+// fatal; a SIGBUS sent by kill is raised again.
+void die_by_default(siginfo_t* info) {
+  ::signal(SIGBUS, SIG_DFL);
+  if (info == nullptr || info->si_code <= 0) ::raise(SIGBUS);
+}
+
+void forward(int signal, siginfo_t* info, void* context) {
+  // A handler that hands the signal back to us (as Python's faulthandler
+  // does) must not make a loop.
+  if (forwarding) return die_by_default(info);
+  forwarding = true;
+  const struct sigaction& before = previous_handler;
+  if (before.sa_flags & SA_SIGINFO) {
+    if (before.sa_sigaction != nullptr) before.sa_sigaction(signal, info, context);
+  } else if (before.sa_handler == SIG_DFL) {
+    die_by_default(info);
+  } else if (before.sa_handler != SIG_IGN) {
+    before.sa_handler(signal);
+  }
+  forwarding = false;
+}
+
+void on_sigbus(int signal, siginfo_t* info, void* context) {
+  if (active_guard != nullptr) siglongjmp(*active_guard, 1);
+  forward(signal, info, context);
+}
+
+}  // namespace
+
+void ensure_fault_handler() {
+  std::lock_guard<std::mutex> lock(install_mutex);
+  struct sigaction current;
+  ::sigaction(SIGBUS, nullptr, &current);
+  if ((current.sa_flags & SA_SIGINFO) && current.sa_sigaction == on_sigbus) return;
+  struct sigaction ours;
+  std::memset(&ours, 0, sizeof(ours));
+  ours.sa_sigaction = on_sigbus;
+  // SA_NODEFER: SIGBUS must not stay blocked after the jump out of the
+  // handler (sigsetjmp does not save the signal mask: that would cost a
+  // system call per row).
+  ours.sa_flags = SA_SIGINFO | SA_NODEFER | SA_ONSTACK;
+  sigemptyset(&ours.sa_mask);
+  ::sigaction(SIGBUS, &ours, &previous_handler);
+}
+
+bool guarded_copy(void* dst, const void* src, size_t bytes) {
+  sigjmp_buf guard;
+  if (sigsetjmp(guard, 0) != 0) {
+    active_guard = nullptr;
+    return false;
+  }
+  active_guard = &guard;
+  std::atomic_signal_fence(std::memory_order_seq_cst);
+  std::memcpy(dst, src, bytes);
+  std::atomic_signal_fence(std::memory_order_seq_cst);
+  active_guard = nullptr;
+  return true;
+}
+
+}  // namespace ple
