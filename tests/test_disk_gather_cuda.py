@@ -191,3 +191,21 @@ def test_a_bad_id_gives_nan_and_the_next_call_raises(fp8_table):
         torch.ops.ple.disk_gather(bad[:1], fp8_table.handle)
     good = torch.ops.ple.disk_gather(bad[:1], fp8_table.handle)  # the error is raised once
     assert_same(good, torch.ops.ple.disk_gather(bad[:1].cpu(), fp8_table.handle))
+
+
+def test_a_truncated_file_gives_nan_and_the_next_call_raises(tmp_path):
+    import os
+
+    path = tmp_path / "t.safetensors"
+    save_file({"t": torch.ones(20000, 160, dtype=torch.uint8)}, str(path))
+    with ple.Table.from_safetensors(path) as table:
+        table.drop_page_cache()
+        os.truncate(path, os.path.getsize(path) // 2)
+        lost = torch.tensor([2, 19999], device="cuda")
+        out = torch.ops.ple.disk_gather(lost, table.handle)
+        torch.cuda.synchronize()
+        assert out.isnan().all()
+        with pytest.raises(RuntimeError, match=r"row 19999 could not be read"):
+            torch.ops.ple.disk_gather(lost[:1], table.handle)
+        kept = torch.ops.ple.disk_gather(lost[:1], table.handle)
+        assert (kept.cpu() == 1).all()
