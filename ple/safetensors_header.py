@@ -77,7 +77,9 @@ def read_header(path: Path) -> dict[str, TensorEntry]:
         raw = f.read(length)
     try:
         header = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+    # ValueError covers bad UTF-8, bad JSON and integers of too many digits;
+    # RecursionError, nesting deeper than the parser goes.
+    except (ValueError, RecursionError) as error:
         raise ValueError(f"{path}: corrupt safetensors header: {error}") from None
     if not isinstance(header, dict):
         raise ValueError(f"{path}: corrupt safetensors header: a {type(header).__name__}, "

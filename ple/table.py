@@ -16,12 +16,15 @@ from .kernels.native import native
 
 from .config import GatherConfig
 from .formats import BY_SAFETENSORS_DTYPE, FORMATS, RowFormat
-from .safetensors_header import TensorEntry, read_header
+from .safetensors_header import ITEMSIZE, TensorEntry, read_header
 from .staging import StreamStaging
 
 PathsLike = Union[str, os.PathLike, Iterable[Union[str, os.PathLike]]]
 
 SHARD_NAME = re.compile(r"^(?P<prefix>.+)\.shard_(?P<index>\d+)\.weight$")
+# A row wider than this cannot be in any file: only a table of no rows could
+# claim it, and the native code counts bytes in int64.
+MAX_ROW_BYTES = 1 << 48
 SCALE_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 
 # Open tables by handle, for the operators; a table that is dropped closes.
@@ -93,10 +96,12 @@ def _select(entries, families, tensor, files) -> tuple[str, list[TensorEntry], s
         raise ValueError(f"{where}: {tensor!r} names both a tensor and a shard family")
     if tensor in families:
         family = families[tensor]
-        missing = sorted(set(range(max(family) + 1)) - set(family))
-        if missing:
-            raise ValueError(f"{where}: shard gap in {tensor!r}: shard {missing[0]} is missing "
-                             f"(found shards {sorted(family)})")
+        indices = sorted(family)
+        missing = next((i for i, index in enumerate(indices) if index != i), None)
+        if missing is not None:
+            shown = indices if len(indices) <= 20 else [*indices[:20], "..."]
+            raise ValueError(f"{where}: shard gap in {tensor!r}: shard {missing} is missing "
+                             f"(found shards {shown})")
         return tensor, [family[i] for i in range(len(family))], f"{tensor}.weight_scale"
     if tensor in entries:
         return tensor, [entries[tensor]], f"{tensor}_scale"
@@ -128,6 +133,10 @@ def _check_shards(name: str, shards: list[TensorEntry]) -> None:
                          f"supported row format ({', '.join(BY_SAFETENSORS_DTYPE)})")
     if first.shape[1] == 0:
         raise ValueError(f"{first.path}: tensor {first.name!r} has rows of no values")
+    row_bytes = first.shape[1] * ITEMSIZE[first.dtype]
+    if row_bytes > MAX_ROW_BYTES:
+        raise ValueError(f"{first.path}: tensor {first.name!r} has rows of {row_bytes} bytes, "
+                         f"more than {MAX_ROW_BYTES}")
 
 
 def _read_scale(entry: TensorEntry, given: float | None) -> float:
