@@ -361,8 +361,13 @@ void gather_rows(MappedTable& table, const void* ids, bool ids_are_int64, int64_
                  uint8_t* out) {
   const auto t0 = std::chrono::steady_clock::now();
   const GatherConfig config = table.config();
+  int64_t threads = config.threads;
+  if (config.policy == Policy::kWindow && config.window_bytes >= kPage) {
+    // Every thread keeps its share of the window's pages ahead: at least one.
+    threads = std::min<int64_t>(threads, config.window_bytes / kPage);
+  }
   const int parts = static_cast<int>(
-      std::max<int64_t>(1, std::min<int64_t>(config.threads, n / kMinRowsPerThread)));
+      std::max<int64_t>(1, std::min<int64_t>(threads, n / kMinRowsPerThread)));
   std::vector<RowRef> rows;
   if (ids_are_int64) {
     validate_and_address(table, static_cast<const int64_t*>(ids), n, parts, rows);
@@ -374,11 +379,22 @@ void gather_rows(MappedTable& table, const void* ids, bool ids_are_int64, int64_
   const int64_t row_bytes = table.row_bytes();
   const std::vector<int64_t> starts = chunk_starts(rows, row_bytes, parts);
   const int chunks = static_cast<int>(starts.size()) - 1;
+  // The window bounds the bytes at risk of reclaim for the whole gather: its
+  // pages are shared out among the threads.
+  auto chunk_config = [&](int c) {
+    GatherConfig share = config;
+    if (config.policy == Policy::kWindow) {
+      const uint64_t pages = config.window_bytes / kPage;
+      share.window_bytes = (pages / chunks + (static_cast<uint64_t>(c) < pages % chunks)) * kPage;
+    }
+    return share;
+  };
   std::vector<ChunkCounters> results(chunks);
   ensure_fault_handler();
   try {
     run_parallel(chunks, [&](int c) {
-      ChunkGather gather(rows.data() + starts[c], starts[c + 1] - starts[c], row_bytes, out, config);
+      ChunkGather gather(rows.data() + starts[c], starts[c + 1] - starts[c], row_bytes, out,
+                         chunk_config(c));
       results[c] = gather.run();
     });
   } catch (const RowFault& fault) {
@@ -398,7 +414,7 @@ void gather_rows(MappedTable& table, const void* ids, bool ids_are_int64, int64_
     counters.evicted_before_copy += r.evicted_before_copy;
     counters.major_faults += r.major_faults;
     counters.minor_faults += r.minor_faults;
-    max_ahead = std::max(max_ahead, r.max_advised_ahead_bytes);
+    max_ahead += r.max_advised_ahead_bytes;  // threads together: at most their sum
   }
   uint64_t seen = counters.max_advised_ahead_bytes.load();
   while (max_ahead > seen && !counters.max_advised_ahead_bytes.compare_exchange_weak(seen, max_ahead)) {

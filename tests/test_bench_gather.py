@@ -1,0 +1,122 @@
+"""tools/bench_gather.py: the gather benchmark runs end to end on a small
+table (--quick), reports every arm with its fields, and every gathering arm
+returns the same bytes; under a memory cgroup it runs each arm in a child, and
+without the rights to make a cgroup it says so and exits non-zero."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+TOOL = ROOT / "tools" / "bench_gather.py"
+
+FIELDS = ("arm", "state", "ms_median", "ms_min", "ms_max", "rows_per_s",
+          "unique_pages_per_call", "read_bytes_per_call", "major_faults_per_call",
+          "advised_pages_per_call", "evicted_before_copy_per_call", "sha256", "per_call")
+GATHERING = ("none", "all", "distance:4096", "window:64", "window:4096")
+QUICK_ARMS = ([("prime:32", "cold")] + [(a, "cold") for a in GATHERING] + [("ceiling:32", "cold")]
+              + [(a, "warm") for a in GATHERING] + [("numpy", "warm")])
+
+
+def run_tool(*args, timeout=300):
+    return subprocess.run([sys.executable, str(TOOL), *map(str, args)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def quick(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("bench_gather")
+    out = tmp / "results.json"
+    proc = run_tool("--quick", "--warm", "--table-gib", 0.0625, "--table", tmp / "table",
+                    "--json", out)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc, json.loads(out.read_text())
+
+
+def test_quick_reports_every_arm_with_its_fields(quick):
+    proc, doc = quick
+    arms = {(r["arm"], r["state"]): r for r in doc["arms"]}
+    assert sorted(arms) == sorted(QUICK_ARMS)
+    for key, r in arms.items():
+        for field in FIELDS:
+            assert field in r, (key, field)
+        assert r["ms_min"] <= r["ms_median"] <= r["ms_max"], key
+        assert r["unique_pages_per_call"] > 0 and len(r["per_call"]) == 4, key
+    assert doc["failed_arms"] == []
+    assert "window:4096" in proc.stdout and "sha256" in proc.stdout
+
+
+def test_quick_gathering_arms_return_the_same_bytes(quick):
+    _, doc = quick
+    digests = {(r["arm"], r["state"]): r["sha256"] for r in doc["arms"]}
+    assert digests[("ceiling:32", "cold")] is None and digests[("prime:32", "cold")] is None
+    gathered = {d for d in digests.values() if d is not None}
+    assert len(gathered) == 1 and len(next(iter(gathered))) == 64
+    assert doc["sha256_equal"]
+
+
+def test_quick_cold_arms_read_from_disk(quick):
+    _, doc = quick
+    for r in doc["arms"]:
+        if r["state"] == "cold":
+            assert r["read_bytes_per_call"] > 0, r["arm"]
+            # nothing read beyond the pages the calls ask for
+            assert r["read_bytes_per_call"] <= 1.1 * r["unique_bytes_per_call"], r["arm"]
+    none = next(r for r in doc["arms"] if (r["arm"], r["state"]) == ("none", "cold"))
+    assert none["major_faults_per_call"] > 0
+    window = next(r for r in doc["arms"] if (r["arm"], r["state"]) == ("window:4096", "cold"))
+    assert window["advised_pages_per_call"] > 0
+
+
+def test_memory_limit_without_cgroup_rights_says_so(tmp_path):
+    command = [sys.executable, str(TOOL), "--quick", "--memory-limit", "300",
+               "--table", str(tmp_path / "table")]
+    if os.geteuid() == 0:
+        # root can make cgroups: take the right away in a private mount
+        # namespace where the cgroup filesystems are read-only
+        probe = subprocess.run(["unshare", "-m", "true"], capture_output=True)
+        if probe.returncode != 0:
+            pytest.skip("running as root, and unshare -m is not available to take the rights away")
+        remount = "for m in $(awk '$3 ~ /^cgroup2?$/ {print $2}' /proc/mounts); do " \
+                  "mount -o remount,bind,ro \"$m\" || exit 99; done; exec \"$@\""
+        command = ["unshare", "-m", "sh", "-c", remount, "sh", *command]
+    proc = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    if proc.returncode == 99:
+        pytest.skip(f"could not make the cgroup filesystems read-only: {proc.stderr.strip()}")
+    assert proc.returncode != 0
+    assert "--memory-limit needs a memory cgroup" in proc.stderr
+    assert not (tmp_path / "table").exists()  # checked before anything is written
+
+
+def test_pressure_run_in_a_memory_cgroup(tmp_path):
+    out = tmp_path / "results.json"
+    proc = run_tool("--quick", "--table-gib", 0.0625, "--table", tmp_path / "table",
+                    "--memory-limit", 300, "--ballast", 100, "--windows", 4096,
+                    "--distance", 0, "--ceiling", "", "--no-prime", "--json", out)
+    if proc.returncode != 0 and "needs a memory cgroup" in proc.stderr:
+        pytest.skip(f"no memory cgroup here: {proc.stderr.strip().splitlines()[-1]}")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    doc = json.loads(out.read_text())
+    assert [r["arm"] for r in doc["arms"]] == ["none", "all", "window:4096"]
+    assert doc["sha256_equal"]
+    for r in doc["arms"]:
+        group = r["cgroup"]
+        assert group["limit_bytes"] == 300 << 20 and group["ballast_bytes"] == 100 << 20
+        assert group["usage_after_ballast"] >= 100 << 20  # the ballast is charged to the group
+        assert r["read_bytes_per_call"] > 0
+    assert _leftover_cgroups() == []  # the tool removed the groups it made
+
+
+def _leftover_cgroups():
+    """ple-bench-* groups where the tool makes them: the root of a cgroup v2
+    hierarchy, or (v1) inside this process's memory cgroup."""
+    if Path("/sys/fs/cgroup/cgroup.controllers").exists():
+        return list(Path("/sys/fs/cgroup").glob("ple-bench-*"))
+    with open("/proc/self/cgroup") as f:
+        own = next((line.rstrip("\n").split(":", 2)[2] for line in f
+                    if "memory" in line.split(":")[1].split(",")), "/")
+    return list((Path("/sys/fs/cgroup/memory") / own.lstrip("/")).glob("ple-bench-*"))
