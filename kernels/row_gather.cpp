@@ -21,7 +21,7 @@ namespace ple {
 
 namespace {
 
-// Below this many rows per thread, starting a thread costs more than it saves.
+// Below this many rows per thread, handing rows to another thread costs more than it saves.
 constexpr int64_t kMinRowsPerThread = 256;
 
 const uintptr_t kPage = static_cast<uintptr_t>(::sysconf(_SC_PAGESIZE));

@@ -22,9 +22,8 @@ class GatherConfig:
         "none" never advises.
     prefetch_window_kib: the window; 0 means no advice at all.
     threads: a request of at least 256 rows per thread is split by address
-        range over this many threads, each with its own window.  Default:
-        the machine's CPUs, at most 16 (a warm gather is bound by page
-        faults, which scale with threads).
+        range over up to this many threads, which share the window.
+        Default: the machine's CPUs, at most 16.
     """
 
     policy: str = "window"
