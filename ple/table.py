@@ -173,12 +173,12 @@ class Table:
         self.shard_rows = [s.shape[0] for s in shards]
         self.paths = list(dict.fromkeys(s.path for s in shards))
         file_index = {path: i for i, path in enumerate(self.paths)}
+        self._staging: dict[tuple[int, int], StreamStaging] = {}
         self._handle = native.open_table(
             [str(p) for p in self.paths], [file_index[s.path] for s in shards],
             [s.offset for s in shards], self.shard_rows, self.row_bytes)
         self._config = config
         self._push_config()
-        self._staging: dict[tuple[int, int], StreamStaging] = {}
         _open_tables[self._handle] = self
 
     @classmethod
