@@ -19,6 +19,6 @@ setup: $(VENV)/.installed
 $(VENV)/.installed: setup.py pyproject.toml $(wildcard kernels/*.cpp kernels/*.h)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH_SPEC)"
-	$(PY) -m pip install -q setuptools wheel ninja numpy safetensors pytest hypothesis triton
+	$(PY) -m pip install -q setuptools wheel ninja numpy safetensors gguf pytest hypothesis triton
 	$(PY) -m pip install -q --no-build-isolation -e '.[test]'
 	touch $@

@@ -26,6 +26,9 @@ UVA_MAX_BYTES = 1 << 20
 
 
 def disk_gather_cuda(table: Table, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    if table.row_format.is_block:
+        raise NotImplementedError(f"ple.disk_gather: {table.format} rows are decoded on the CPU "
+                                  "only for now; gather them with CPU ids")
     stream = torch.cuda.current_stream(ids.device)
     error = native.take_host_error(table.handle, stream.cuda_stream)
     if error:

@@ -10,13 +10,26 @@ import torch
 @dataclass(frozen=True)
 class RowFormat:
     name: str
-    safetensors_dtype: str
-    storage: torch.dtype  # the dtype of one stored value
+    safetensors_dtype: str | None  # None: not a safetensors dtype
+    storage: torch.dtype  # the dtype of one stored value (uint8 for GGUF blocks)
     scaled: bool  # whether the table's scale multiplies the values
+    gguf_type: int | None = None  # the GGMLQuantizationType, for GGUF tables
+    block_size: int = 1  # values per block; GGUF block formats pack 32 or 256
+    block_bytes: int = 0  # bytes per block; 0: one value of `storage`
 
     @property
     def itemsize(self) -> int:
         return self.storage.itemsize
+
+    @property
+    def is_block(self) -> bool:
+        """Values packed in blocks with their own scales (GGUF quants)."""
+        return self.block_size > 1
+
+    def row_bytes(self, cols: int) -> int:
+        if self.is_block:
+            return cols // self.block_size * self.block_bytes
+        return cols * self.itemsize
 
     @property
     def default_dtype(self) -> torch.dtype:
@@ -35,5 +48,23 @@ FORMATS = {
         RowFormat("i8", "I8", torch.int8, scaled=True),
     )
 }
+# GGUF block formats: sizes from gguf.GGML_QUANT_SIZES, values from
+# gguf.quants.dequantize (design.md, section 2).
+BLOCK_FORMATS = {
+    f.name: f
+    for f in (
+        RowFormat("q8_0", None, torch.uint8, scaled=False, gguf_type=8, block_size=32, block_bytes=34),
+        RowFormat("q4_0", None, torch.uint8, scaled=False, gguf_type=2, block_size=32, block_bytes=18),
+        RowFormat("iq4_nl", None, torch.uint8, scaled=False, gguf_type=20, block_size=32,
+                  block_bytes=18),
+        RowFormat("q4_k", None, torch.uint8, scaled=False, gguf_type=12, block_size=256,
+                  block_bytes=144),
+        RowFormat("q6_k", None, torch.uint8, scaled=False, gguf_type=14, block_size=256,
+                  block_bytes=210),
+    )
+}
 BY_SAFETENSORS_DTYPE = {f.safetensors_dtype: f for f in FORMATS.values()}
+# By the name of the GGML type (gguf.GGMLQuantizationType).
+BY_GGUF_TYPE = {"F32": FORMATS["f32"], "F16": FORMATS["f16"], "BF16": FORMATS["bf16"],
+                **{f.name.upper(): f for f in BLOCK_FORMATS.values()}}
 OUTPUT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)

@@ -15,7 +15,8 @@ import torch
 from .kernels.native import native
 
 from .config import GatherConfig
-from .formats import BY_SAFETENSORS_DTYPE, FORMATS, RowFormat
+from .formats import BY_GGUF_TYPE, BY_SAFETENSORS_DTYPE, FORMATS, RowFormat
+from .gguf_header import read_gguf_tensors
 from .safetensors_header import ITEMSIZE, TensorEntry, read_header
 from .staging import StreamStaging
 
@@ -168,7 +169,7 @@ class Table:
         self.row_format = fmt
         self.scale = scale
         self.cols = shards[0].shape[1]
-        self.row_bytes = self.cols * fmt.itemsize
+        self.row_bytes = fmt.row_bytes(self.cols)
         self.num_rows = sum(s.shape[0] for s in shards)
         self.shard_rows = [s.shape[0] for s in shards]
         self.paths = list(dict.fromkeys(s.path for s in shards))
@@ -204,6 +205,34 @@ class Table:
         file_scale = _read_scale(entries[scale_name], scale) if scale_name in entries else None
         resolved = file_scale if file_scale is not None else 1.0 if scale is None else float(scale)
         return cls(name, shards, fmt, resolved, config or GatherConfig())
+
+    @classmethod
+    def from_gguf(cls, path: str | os.PathLike, tensor: str,
+                  config: GatherConfig | None = None) -> "Table":
+        """Opens one 2-D tensor of a GGUF file as a table without reading its
+        rows: F32, F16, BF16, or the block formats Q8_0, Q4_0, IQ4_NL, Q4_K and
+        Q6_K, kept packed and decoded only for the rows gathered."""
+        path = Path(path)
+        entries = read_gguf_tensors(path)
+        if tensor not in entries:
+            candidates = sorted(n for n, e in entries.items() if len(e.shape) == 2)
+            raise ValueError(f"{path}: no tensor named {tensor!r}; 2-D tensors: {candidates}")
+        entry = entries[tensor]
+        if len(entry.shape) != 2:
+            raise ValueError(f"{path}: tensor {tensor!r} is not 2-D (shape {list(entry.shape)})")
+        fmt = BY_GGUF_TYPE.get(entry.dtype)
+        if fmt is None:
+            supported = ", ".join(BY_GGUF_TYPE)
+            raise ValueError(f"{path}: tensor {tensor!r} is {entry.dtype}, which ple does not "
+                             f"decode (it decodes {supported})")
+        rows, cols = entry.shape
+        if cols == 0 or cols % fmt.block_size:
+            raise ValueError(f"{path}: tensor {tensor!r}: a row of {cols} values is not a whole "
+                             f"number of {entry.dtype} blocks of {fmt.block_size}")
+        if entry.nbytes != rows * fmt.row_bytes(cols):
+            raise ValueError(f"{path}: tensor {tensor!r}: {entry.nbytes} bytes of data, but "
+                             f"{rows} rows of {fmt.row_bytes(cols)} bytes")
+        return cls(tensor, [entry], fmt, 1.0, config or GatherConfig())
 
     @property
     def handle(self) -> int:

@@ -1,0 +1,147 @@
+"""GGUF tables: every format ple decodes, gathered rows equal to
+gguf.quants.dequantize of the same rows, and every bad file."""
+
+import os
+
+import numpy as np
+import pytest
+import torch
+
+import ple
+
+gguf = pytest.importorskip("gguf")
+from gguf import GGMLQuantizationType as Q  # noqa: E402
+
+ROWS, COLS = 37, 512  # 2 blocks of 256 per row for the K-quants
+rng = np.random.default_rng(0)
+
+
+def random_blocks(qtype, rows: int, cols: int) -> np.ndarray:
+    """Random block bytes with finite f16 scales, for the formats that gguf
+    cannot quantize to."""
+    block_size, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
+    blocks = rng.integers(0, 256, (rows * cols // block_size, block_bytes), dtype=np.uint8)
+    scale_bytes = {Q.IQ4_NL: [0], Q.Q4_K: [0, 2], Q.Q6_K: [208]}[qtype]
+    for at in scale_bytes:
+        scales = rng.uniform(-2, 2, len(blocks)).astype(np.float16)
+        blocks[:, at:at + 2] = scales.view(np.uint8).reshape(-1, 2)
+    return blocks.reshape(rows, -1)
+
+
+def table_bytes(qtype, values: np.ndarray) -> np.ndarray:
+    if qtype in (Q.IQ4_NL, Q.Q4_K, Q.Q6_K):
+        return random_blocks(qtype, *values.shape)
+    return gguf.quants.quantize(values, qtype)
+
+
+FORMATS = {"F32": Q.F32, "F16": Q.F16, "BF16": Q.BF16, "Q8_0": Q.Q8_0, "Q4_0": Q.Q4_0,
+           "IQ4_NL": Q.IQ4_NL, "Q4_K": Q.Q4_K, "Q6_K": Q.Q6_K}
+
+
+def write(path, tensors: dict) -> None:
+    writer = gguf.GGUFWriter(str(path), "test")
+    for name, (data, qtype) in tensors.items():
+        if qtype in (Q.F32, Q.F16):
+            writer.add_tensor(name, data)
+        else:
+            writer.add_tensor(name, data, raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@pytest.fixture(scope="module")
+def gguf_file(tmp_path_factory):
+    values = rng.uniform(-3, 3, (ROWS, COLS)).astype(np.float32)
+    tensors = {}
+    for name, qtype in FORMATS.items():
+        if qtype == Q.F32:
+            tensors[name] = (values, qtype)
+        elif qtype == Q.F16:
+            tensors[name] = (values.astype(np.float16), qtype)
+        else:
+            tensors[name] = (table_bytes(qtype, values), qtype)
+    tensors["vector"] = (np.ones(8, np.float32), Q.F32)
+    tensors["Q5_0"] = (gguf.quants.quantize(values, Q.Q5_0), Q.Q5_0)
+    path = tmp_path_factory.mktemp("gguf") / "model.gguf"
+    write(path, tensors)
+    return path, tensors
+
+
+@pytest.mark.parametrize("name", FORMATS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rows_equal_gguf_dequantize(gguf_file, name, dtype):
+    path, tensors = gguf_file
+    data, qtype = tensors[name]
+    expected = gguf.quants.dequantize(data if qtype != Q.F16 else data, qtype)
+    ids = torch.from_numpy(rng.integers(0, ROWS, (4, 25)))
+    ids[0, :2] = torch.tensor([0, ROWS - 1])
+    with ple.Table.from_gguf(path, name) as table:
+        assert (table.num_rows, table.cols) == (ROWS, COLS)
+        assert table.format == name.lower()
+        got = torch.ops.ple.disk_gather(ids, table.handle, dtype)
+    want = torch.from_numpy(np.ascontiguousarray(expected[ids.numpy()])).to(dtype)
+    torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
+
+
+def test_block_rows_stay_packed(gguf_file):
+    path, tensors = gguf_file
+    with ple.Table.from_gguf(path, "Q4_K") as table:
+        assert table.row_bytes == COLS // 256 * 144
+        raw = torch.ops.ple.disk_gather_bytes(torch.tensor([5]), table.handle)
+    assert np.array_equal(raw.numpy()[0], tensors["Q4_K"][0][5])
+
+
+def test_not_gguf(tmp_path):
+    path = tmp_path / "x.gguf"
+    path.write_bytes(b"this is not a gguf file at all")
+    with pytest.raises(ValueError, match=rf"{path}: not a readable GGUF file"):
+        ple.Table.from_gguf(path, "t")
+
+
+def test_missing_file(tmp_path):
+    with pytest.raises(FileNotFoundError):
+        ple.Table.from_gguf(tmp_path / "none.gguf", "t")
+
+
+def test_unknown_tensor_lists_the_candidates(gguf_file):
+    path, _ = gguf_file
+    with pytest.raises(ValueError, match=rf"{path}: no tensor named 'nope'; 2-D tensors: .*'Q8_0'"):
+        ple.Table.from_gguf(path, "nope")
+
+
+def test_quant_type_not_decoded_is_named(gguf_file):
+    path, _ = gguf_file
+    with pytest.raises(ValueError, match=rf"{path}: tensor 'Q5_0' is Q5_0, which ple does not decode"):
+        ple.Table.from_gguf(path, "Q5_0")
+
+
+def test_not_2d(gguf_file):
+    path, _ = gguf_file
+    with pytest.raises(ValueError, match=rf"{path}: tensor 'vector' is not 2-D"):
+        ple.Table.from_gguf(path, "vector")
+
+
+def test_row_width_not_whole_blocks(tmp_path):
+    path = tmp_path / "odd.gguf"
+    data = gguf.quants.quantize(np.ones((4, 64), np.float32), Q.Q8_0)  # 2 blocks per row
+    write(path, {"odd": (data, Q.Q8_0)})
+    # Patch the tensor's dimensions (ne0 = 64, ne1 = 4, after the name and the
+    # u32 dimension count) to 2 rows of 128 + 16 values: the same bytes, but a
+    # row that is not a whole number of 32-value blocks.
+    raw = bytearray(path.read_bytes())
+    dims = raw.index(b"odd") + 3 + 4
+    assert int.from_bytes(raw[dims:dims + 8], "little") == 64
+    raw[dims:dims + 16] = (144).to_bytes(8, "little") + (2).to_bytes(8, "little")
+    path.write_bytes(raw)
+    with pytest.raises(ValueError, match=rf"{path}"):
+        ple.Table.from_gguf(path, "odd")
+
+
+def test_data_past_the_end_of_the_file(gguf_file, tmp_path):
+    path, _ = gguf_file
+    short = tmp_path / "short.gguf"
+    short.write_bytes(path.read_bytes()[: os.path.getsize(path) - 1000])
+    with pytest.raises(ValueError, match=rf"{short}"):
+        ple.Table.from_gguf(short, "Q6_K")
