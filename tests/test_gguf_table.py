@@ -145,3 +145,66 @@ def test_data_past_the_end_of_the_file(gguf_file, tmp_path):
     short.write_bytes(path.read_bytes()[: os.path.getsize(path) - 1000])
     with pytest.raises(ValueError, match=rf"{short}"):
         ple.Table.from_gguf(short, "Q6_K")
+
+
+def test_a_count_larger_than_the_file_is_rejected_at_once(gguf_file, tmp_path):
+    path, _ = gguf_file
+    raw = bytearray(path.read_bytes())
+    raw[23] = 0xA3  # the high byte of the key-value count
+    bad = tmp_path / "count.gguf"
+    bad.write_bytes(raw)
+    with pytest.raises(ValueError, match=rf"{bad}: not a readable GGUF file: .* cannot fit"):
+        ple.Table.from_gguf(bad, "Q8_0")
+
+
+def test_an_array_count_larger_than_the_file_is_rejected_at_once(tmp_path):
+    path = tmp_path / "array.gguf"
+    writer = gguf.GGUFWriter(str(path), "test")
+    writer.add_array("numbers", [1, 2, 3])
+    writer.add_tensor("t", np.ones((2, 32), np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    raw = bytearray(path.read_bytes())
+    count = raw.index(b"numbers") + len(b"numbers") + 4 + 4  # after the value and item types
+    assert int.from_bytes(raw[count:count + 8], "little") == 3
+    raw[count + 7] = 0x40
+    path.write_bytes(raw)
+    with pytest.raises(ValueError, match=rf"{path}: not a readable GGUF file: an array of \d+ items"):
+        ple.Table.from_gguf(path, "t")
+
+
+def test_corrupt_headers_raise_or_open_never_hang(gguf_file, tmp_path):
+    """Random byte flips and cuts in the header region: each open raises
+    ValueError or OSError naming the file, or opens a table that gathers."""
+    import random
+    import signal
+
+    good = gguf_file[0].read_bytes()
+    header_end = good.index(b"Q6_K") + 64
+    rnd = random.Random(1)
+    path = tmp_path / "case.gguf"
+
+    def too_slow(*_):
+        raise AssertionError("an open took more than 10 s")
+
+    previous = signal.signal(signal.SIGALRM, too_slow)
+    try:
+        for _ in range(150):
+            raw = bytearray(good)
+            for _ in range(rnd.randint(1, 4)):
+                raw[rnd.randrange(header_end)] = rnd.choice([rnd.randrange(256), 0xFF])
+            if rnd.random() < 0.2:
+                raw = raw[: rnd.randrange(len(raw))]
+            path.write_bytes(raw)
+            signal.alarm(10)
+            try:
+                with ple.Table.from_gguf(path, "Q8_0") as table:
+                    torch.ops.ple.disk_gather(torch.arange(table.num_rows), table.handle)
+            except (ValueError, OSError) as error:
+                assert str(path) in str(error), repr(error)
+            finally:
+                signal.alarm(0)
+    finally:
+        signal.signal(signal.SIGALRM, previous)
