@@ -73,12 +73,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gather", &gather, "Copies rows ids of a table into out");
   m.def("stats", [](int64_t h) { return table_of(h)->counters().snapshot(); });
   m.def("reset_stats", [](int64_t h) { table_of(h)->counters().reset(); });
-  m.def("prefetch", &prefetch, "Starts gathering ids on a background thread for the next CUDA call");
+  m.def("prefetch", &prefetch, "Starts gathering ids on a background thread for the next gather of them");
   m.def(
       "launch_host_gather",
       [](uintptr_t stream, int64_t handle, uintptr_t ids, int64_t n, uintptr_t staging,
          uintptr_t status, bool capturing) {
-        ple::find_table(handle);  // an unknown handle fails here, not in the stream
         ple::launch_host_gather(stream, handle, reinterpret_cast<const int64_t*>(ids), n,
                                 reinterpret_cast<uint8_t*>(staging),
                                 reinterpret_cast<int32_t*>(status), capturing);

@@ -17,7 +17,7 @@ from .kernels.native import native
 from .config import GatherConfig
 from .formats import BY_GGUF_TYPE, BY_SAFETENSORS_DTYPE, FORMATS, RowFormat
 from .gguf_header import read_gguf_tensors
-from .safetensors_header import ITEMSIZE, TensorEntry, read_header
+from .safetensors_header import TensorEntry, read_header
 from .staging import StreamStaging
 
 PathsLike = Union[str, os.PathLike, Iterable[Union[str, os.PathLike]]]
@@ -134,7 +134,7 @@ def _check_shards(name: str, shards: list[TensorEntry]) -> None:
                          f"supported row format ({', '.join(BY_SAFETENSORS_DTYPE)})")
     if first.shape[1] == 0:
         raise ValueError(f"{first.path}: tensor {first.name!r} has rows of no values")
-    row_bytes = first.shape[1] * ITEMSIZE[first.dtype]
+    row_bytes = BY_SAFETENSORS_DTYPE[first.dtype].row_bytes(first.shape[1])
     if row_bytes > MAX_ROW_BYTES:
         raise ValueError(f"{first.path}: tensor {first.name!r} has rows of {row_bytes} bytes, "
                          f"more than {MAX_ROW_BYTES}")

@@ -57,6 +57,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import ple  # noqa: E402
+from demo import disk_read_bytes  # noqa: E402
 from make_table import PREFIX, ensure_table  # noqa: E402
 from ple.safetensors_header import read_header  # noqa: E402
 
@@ -112,12 +113,6 @@ class Layout:
 def make_requests(num_rows: int, calls: int, rows: int, seed: int) -> list[torch.Tensor]:
     generator = torch.Generator().manual_seed(seed)
     return [torch.randint(0, num_rows, (rows,), generator=generator) for _ in range(calls)]
-
-
-def disk_read_bytes() -> int:
-    """Bytes this process (all threads) has had read from the block device."""
-    with open("/proc/self/io") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith("read_bytes"))
 
 
 def major_faults() -> int:
