@@ -26,13 +26,15 @@ int64_t open_table(const std::vector<std::string>& paths, const std::vector<int6
   return ple::register_table(std::move(table));
 }
 
-void configure(int64_t handle, const std::string& policy, uint64_t window_bytes, int threads) {
-  table_of(handle)->set_config({ple::parse_policy(policy), window_bytes, threads});
+void configure(int64_t handle, const std::string& policy, uint64_t window_bytes, int threads,
+               uint64_t row_cache_bytes) {
+  table_of(handle)->set_config({ple::parse_policy(policy), window_bytes, threads, row_cache_bytes});
 }
 
 // ids: contiguous int32/int64 CPU tensor; out: contiguous uint8 CPU tensor of
-// ids.numel() * row_bytes bytes.  The caller (ops/) checks shapes and dtypes.
-void gather(int64_t handle, const torch::Tensor& ids, torch::Tensor& out) {
+// ids.numel() * row_bytes bytes.  The caller (ops/) checks shapes and dtypes,
+// and fills the rows of ids below resident_rows from its tiers.
+void gather(int64_t handle, const torch::Tensor& ids, torch::Tensor& out, int64_t resident_rows) {
   TORCH_CHECK(ids.device().is_cpu() && ids.is_contiguous(), "ids must be a contiguous CPU tensor");
   TORCH_CHECK(ids.scalar_type() == torch::kInt64 || ids.scalar_type() == torch::kInt32,
               "ids must be int32 or int64");
@@ -45,20 +47,17 @@ void gather(int64_t handle, const torch::Tensor& ids, torch::Tensor& out) {
   uint8_t* out_data = out.data_ptr<uint8_t>();
   const bool is_int64 = ids.scalar_type() == torch::kInt64;
   py::gil_scoped_release no_gil;
-  if (is_int64 && table->take_prefetched(static_cast<const int64_t*>(id_data), ids.numel(), out_data)) {
-    return;
-  }
-  ple::gather_rows(*table, id_data, is_int64, ids.numel(), out_data);
+  table->gather(id_data, is_int64, ids.numel(), out_data, resident_rows);
 }
 
-void prefetch(int64_t handle, const torch::Tensor& ids) {
+void prefetch(int64_t handle, const torch::Tensor& ids, int64_t resident_rows) {
   TORCH_CHECK(ids.device().is_cpu() && ids.is_contiguous() && ids.scalar_type() == torch::kInt64,
               "prefetch ids must be a contiguous int64 CPU tensor");
   const int64_t* data = ids.data_ptr<int64_t>();
   auto table = table_of(handle);
   std::vector<int64_t> copy(data, data + ids.numel());
   py::gil_scoped_release no_gil;
-  table->prefetch(std::move(copy));
+  table->prefetch(std::move(copy), resident_rows);
 }
 
 }  // namespace
@@ -69,17 +68,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("torch_version") = PLE_STRINGIFY(PLE_TORCH_VERSION);
   m.def("open_table", &open_table, "Maps a table's shards; returns its handle");
   m.def("close_table", &ple::unregister_table, "Forgets a handle; unmaps when no gather holds it");
-  m.def("configure", &configure, "Sets policy, window (bytes) and threads");
+  m.def("configure", &configure, "Sets policy, window (bytes), threads and row cache (bytes)");
   m.def("gather", &gather, "Copies rows ids of a table into out");
   m.def("stats", [](int64_t h) { return table_of(h)->counters().snapshot(); });
   m.def("reset_stats", [](int64_t h) { table_of(h)->counters().reset(); });
   m.def("prefetch", &prefetch, "Starts gathering ids on a background thread for the next gather of them");
   m.def(
       "launch_host_gather",
-      [](uintptr_t stream, int64_t handle, uintptr_t ids, int64_t n, uintptr_t staging,
-         uintptr_t status, bool capturing) {
+      [](uintptr_t stream, int64_t handle, uintptr_t ids, int64_t n, int64_t resident_rows,
+         uintptr_t staging, uintptr_t status, bool capturing) {
         ple::launch_host_gather(stream, handle, reinterpret_cast<const int64_t*>(ids), n,
-                                reinterpret_cast<uint8_t*>(staging),
+                                resident_rows, reinterpret_cast<uint8_t*>(staging),
                                 reinterpret_cast<int32_t*>(status), capturing);
       },
       "Enqueues the gather of pinned ids into pinned staging on a CUDA stream");

@@ -82,13 +82,16 @@ std::map<std::string, uint64_t> GatherCounters::snapshot() const {
       {"gather_ns", gather_ns.load()},
       {"prefetch_hits", prefetch_hits.load()},
       {"prefetch_misses", prefetch_misses.load()},
+      {"row_cache_hits", row_cache_hits.load()},
+      {"row_cache_misses", row_cache_misses.load()},
   };
 }
 
 void GatherCounters::reset() {
   for (auto* c : {&calls, &rows, &unique_pages, &advised_pages, &resident_pages,
                   &evicted_before_copy, &max_advised_ahead_bytes, &bytes_copied,
-                  &major_faults, &minor_faults, &gather_ns, &prefetch_hits, &prefetch_misses}) {
+                  &major_faults, &minor_faults, &gather_ns, &prefetch_hits, &prefetch_misses,
+                  &row_cache_hits, &row_cache_misses}) {
     c->store(0);
   }
 }
@@ -136,18 +139,28 @@ MappedTable::~MappedTable() {
   for (auto& file : files_) unmap_file(file);
 }
 
-void MappedTable::prefetch(std::vector<int64_t> ids) {
+void MappedTable::gather(const void* ids, bool ids_are_int64, int64_t n, uint8_t* out,
+                         int64_t resident_rows) {
+  if (ids_are_int64 && take_prefetched(static_cast<const int64_t*>(ids), n, out, resident_rows)) {
+    return;
+  }
+  gather_rows(*this, ids, ids_are_int64, n, out, resident_rows);
+}
+
+void MappedTable::prefetch(std::vector<int64_t> ids, int64_t resident_rows) {
   std::unique_lock<std::mutex> lock(prefetch_.mutex);
   prefetch_.finished.wait(lock, [&] { return !prefetch_.running; });
   if (prefetch_.worker.joinable()) prefetch_.worker.join();  // it has finished
   prefetch_.ids = std::move(ids);
+  prefetch_.resident_rows = resident_rows;
   prefetch_.rows.resize(prefetch_.ids.size() * row_bytes_);
   prefetch_.running = prefetch_.pending = true;
   prefetch_.error = nullptr;
   auto work = [this] {
     std::exception_ptr error;
     try {
-      gather_rows(*this, prefetch_.ids.data(), true, prefetch_.ids.size(), prefetch_.rows.data());
+      gather_rows(*this, prefetch_.ids.data(), true, prefetch_.ids.size(), prefetch_.rows.data(),
+                  prefetch_.resident_rows);
     } catch (...) {
       error = std::current_exception();
     }
@@ -164,10 +177,11 @@ void MappedTable::prefetch(std::vector<int64_t> ids) {
   }
 }
 
-bool MappedTable::take_prefetched(const int64_t* ids, int64_t n, uint8_t* out) {
+bool MappedTable::take_prefetched(const int64_t* ids, int64_t n, uint8_t* out,
+                                  int64_t resident_rows) {
   std::unique_lock<std::mutex> lock(prefetch_.mutex);
   if (!prefetch_.pending) return false;
-  if (static_cast<int64_t>(prefetch_.ids.size()) != n ||
+  if (static_cast<int64_t>(prefetch_.ids.size()) != n || prefetch_.resident_rows != resident_rows ||
       std::memcmp(prefetch_.ids.data(), ids, n * sizeof(int64_t)) != 0) {
     ++counters_.prefetch_misses;
     return false;
@@ -200,6 +214,7 @@ GatherConfig MappedTable::config() const {
 
 void MappedTable::set_config(const GatherConfig& config) {
   if (config.threads < 1) throw std::invalid_argument("threads must be at least 1");
+  row_cache_.configure(config.row_cache_bytes, row_bytes_);
   std::lock_guard<std::mutex> lock(config_mutex_);
   config_ = config;
 }
@@ -210,6 +225,7 @@ void MappedTable::drop_page_cache() {
     ::madvise(file.base, file.size, MADV_DONTNEED);
     ::posix_fadvise(file.fd, 0, 0, POSIX_FADV_DONTNEED);
   }
+  row_cache_.clear();
 }
 
 int64_t register_table(std::shared_ptr<MappedTable> table) {

@@ -19,6 +19,8 @@
 #include <thread>
 #include <vector>
 
+#include "row_cache.h"
+
 namespace ple {
 
 // An error of the operating system (open, mmap, ...) that Python sees as OSError.
@@ -34,6 +36,7 @@ struct GatherConfig {
   Policy policy = Policy::kWindow;
   uint64_t window_bytes = 4096 * 1024;
   int threads = 1;
+  uint64_t row_cache_bytes = 0;
 };
 
 struct MappedFile {
@@ -53,7 +56,7 @@ struct GatherCounters {
   std::atomic<uint64_t> calls{0}, rows{0}, unique_pages{0}, advised_pages{0},
       resident_pages{0}, evicted_before_copy{0}, max_advised_ahead_bytes{0},
       bytes_copied{0}, major_faults{0}, minor_faults{0}, gather_ns{0}, prefetch_hits{0},
-      prefetch_misses{0};
+      prefetch_misses{0}, row_cache_hits{0}, row_cache_misses{0};
 
   std::map<std::string, uint64_t> snapshot() const;
   void reset();
@@ -64,6 +67,7 @@ struct PrefetchSlot {
   std::mutex mutex;
   std::condition_variable finished;
   std::vector<int64_t> ids;
+  int64_t resident_rows = 0;
   std::vector<uint8_t> rows;
   bool running = false;
   bool pending = false;  // holds rows nobody has taken yet
@@ -100,18 +104,24 @@ class MappedTable {
   void set_config(const GatherConfig& config);
 
   GatherCounters& counters() { return counters_; }
+  RowCache& row_cache() { return row_cache_; }
+
+  // The rows `ids` into `out` (see gather_rows), taken from a pending
+  // prefetch of the same ids when there is one.
+  void gather(const void* ids, bool ids_are_int64, int64_t n, uint8_t* out,
+              int64_t resident_rows);
 
   // Starts gathering `ids` on a background thread (after any earlier
   // prefetch has finished); the rows wait for take_prefetched.
-  void prefetch(std::vector<int64_t> ids);
+  void prefetch(std::vector<int64_t> ids, int64_t resident_rows);
 
   // When the pending prefetch is of exactly these ids: waits for it, copies
   // its rows to `out` and returns true.  Otherwise returns false.
-  bool take_prefetched(const int64_t* ids, int64_t n, uint8_t* out);
+  bool take_prefetched(const int64_t* ids, int64_t n, uint8_t* out, int64_t resident_rows);
 
   // Drops this table's pages from the page cache: unmaps them from this
   // process, then asks the kernel to forget the files' clean pages.  Pages
-  // that another mapping holds stay.
+  // that another mapping holds stay.  Empties the row cache too.
   void drop_page_cache();
 
  private:
@@ -123,6 +133,7 @@ class MappedTable {
   mutable std::mutex config_mutex_;
   GatherConfig config_;
   GatherCounters counters_;
+  RowCache row_cache_;
   PrefetchSlot prefetch_;
 };
 
@@ -134,8 +145,10 @@ std::shared_ptr<MappedTable> find_table(int64_t handle);  // throws if unknown
 void unregister_table(int64_t handle);
 
 // Copies the rows `ids` (int32 or int64, n of them) into `out`, row i of the
-// request at out + i * row_bytes.  Validates every id before writing.
+// request at out + i * row_bytes.  Validates every id before writing.  Ids
+// below `resident_rows` live in the device and host tiers, which the caller
+// reads: their rows in `out` are left as they were, and they are not counted.
 void gather_rows(MappedTable& table, const void* ids, bool ids_are_int64,
-                 int64_t n, uint8_t* out);
+                 int64_t n, uint8_t* out, int64_t resident_rows);
 
 }  // namespace ple

@@ -253,26 +253,64 @@ class ChunkGather {
 int64_t slice_begin(int64_t n, int parts, int p) { return n * p / parts; }
 
 template <typename Id>
-void validate_and_address(const MappedTable& table, const Id* ids, int64_t n, int parts,
-                          std::vector<RowRef>& rows) {
+int64_t id_at(const void* ids, int64_t i) {
+  return static_cast<int64_t>(static_cast<const Id*>(ids)[i]);
+}
+
+// Checks every id, then lists the rows the disk tier serves (ids at or above
+// resident_rows) with their addresses, in request order.
+template <typename Id>
+void validate_and_address(const MappedTable& table, const void* ids, int64_t n,
+                          int64_t resident_rows, int parts, std::vector<RowRef>& rows) {
   const int64_t num_rows = table.num_rows();
-  rows.resize(n);
   std::vector<int64_t> first_bad(parts, -1);
+  std::vector<std::vector<RowRef>> part_rows(parts);
   run_parallel(parts, [&](int p) {
+    std::vector<RowRef>& mine = part_rows[p];
+    mine.reserve(slice_begin(n, parts, p + 1) - slice_begin(n, parts, p));
     for (int64_t i = slice_begin(n, parts, p); i < slice_begin(n, parts, p + 1); ++i) {
-      const int64_t id = static_cast<int64_t>(ids[i]);
+      const int64_t id = id_at<Id>(ids, i);
       if (id < 0 || id >= num_rows) {
         first_bad[p] = i;
         return;
       }
-      rows[i] = {reinterpret_cast<uintptr_t>(table.row_address(id)), i};
+      if (id >= resident_rows) mine.push_back({reinterpret_cast<uintptr_t>(table.row_address(id)), i});
     }
   });
   for (const int64_t i : first_bad) {
     if (i < 0) continue;
-    throw std::out_of_range("row id " + std::to_string(static_cast<int64_t>(ids[i])) +
-                            " at position " + std::to_string(i) + " is out of range [0, " +
+    throw std::out_of_range("row id " + std::to_string(id_at<Id>(ids, i)) + " at position " +
+                            std::to_string(i) + " is out of range [0, " +
                             std::to_string(num_rows) + ")");
+  }
+  if (parts == 1) {
+    rows.swap(part_rows[0]);
+    return;
+  }
+  size_t total = 0;
+  for (const auto& mine : part_rows) total += mine.size();
+  rows.reserve(total);
+  for (const auto& mine : part_rows) rows.insert(rows.end(), mine.begin(), mine.end());
+}
+
+// Serves the rows the row cache holds and drops them from `rows`.
+void take_cached(RowCache& cache, const void* ids, bool ids_are_int64, int64_t row_bytes,
+                 uint8_t* out, std::vector<RowRef>& rows) {
+  std::lock_guard<std::mutex> lock(cache.mutex());
+  size_t kept = 0;
+  for (const RowRef& row : rows) {
+    const int64_t id = ids_are_int64 ? id_at<int64_t>(ids, row.position) : id_at<int32_t>(ids, row.position);
+    if (!cache.lookup(id, out + row.position * row_bytes)) rows[kept++] = row;
+  }
+  rows.resize(kept);
+}
+
+void keep_in_cache(RowCache& cache, const void* ids, bool ids_are_int64, int64_t row_bytes,
+                   const uint8_t* out, const std::vector<RowRef>& rows) {
+  std::lock_guard<std::mutex> lock(cache.mutex());
+  for (const RowRef& row : rows) {
+    const int64_t id = ids_are_int64 ? id_at<int64_t>(ids, row.position) : id_at<int32_t>(ids, row.position);
+    cache.insert(id, out + row.position * row_bytes);
   }
 }
 
@@ -358,7 +396,7 @@ std::vector<int64_t> chunk_starts(const std::vector<RowRef>& rows, int64_t row_b
 }  // namespace
 
 void gather_rows(MappedTable& table, const void* ids, bool ids_are_int64, int64_t n,
-                 uint8_t* out) {
+                 uint8_t* out, int64_t resident_rows) {
   const auto t0 = std::chrono::steady_clock::now();
   const GatherConfig config = table.config();
   int64_t threads = config.threads;
@@ -366,17 +404,23 @@ void gather_rows(MappedTable& table, const void* ids, bool ids_are_int64, int64_
     // Every thread keeps its share of the window's pages ahead: at least one.
     threads = std::min<int64_t>(threads, config.window_bytes / kPage);
   }
-  const int parts = static_cast<int>(
+  const int validate_parts = static_cast<int>(
       std::max<int64_t>(1, std::min<int64_t>(threads, n / kMinRowsPerThread)));
   std::vector<RowRef> rows;
   if (ids_are_int64) {
-    validate_and_address(table, static_cast<const int64_t*>(ids), n, parts, rows);
+    validate_and_address<int64_t>(table, ids, n, resident_rows, validate_parts, rows);
   } else {
-    validate_and_address(table, static_cast<const int32_t*>(ids), n, parts, rows);
+    validate_and_address<int32_t>(table, ids, n, resident_rows, validate_parts, rows);
   }
+  const int64_t row_bytes = table.row_bytes();
+  const uint64_t disk_rows = rows.size();
+  RowCache& cache = table.row_cache();
+  if (cache.enabled()) take_cached(cache, ids, ids_are_int64, row_bytes, out, rows);
+  const uint64_t cache_hits = disk_rows - rows.size();
+  const int parts = static_cast<int>(std::max<int64_t>(
+      1, std::min<int64_t>(threads, static_cast<int64_t>(rows.size()) / kMinRowsPerThread)));
   sort_by_address(rows, parts);
 
-  const int64_t row_bytes = table.row_bytes();
   const std::vector<int64_t> starts = chunk_starts(rows, row_bytes, parts);
   const int chunks = static_cast<int>(starts.size()) - 1;
   // The window bounds the bytes at risk of reclaim for the whole gather: its
@@ -398,12 +442,13 @@ void gather_rows(MappedTable& table, const void* ids, bool ids_are_int64, int64_
       results[c] = gather.run();
     });
   } catch (const RowFault& fault) {
-    const int64_t id = ids_are_int64 ? static_cast<const int64_t*>(ids)[fault.row.position]
-                                     : static_cast<const int32_t*>(ids)[fault.row.position];
+    const int64_t id = ids_are_int64 ? id_at<int64_t>(ids, fault.row.position)
+                                     : id_at<int32_t>(ids, fault.row.position);
     throw OsError(table.locate(fault.row.address) + ": row " + std::to_string(id) +
                   " could not be read (the file is shorter than when the table was opened, "
                   "or the disk failed to read the page)");
   }
+  if (cache.enabled()) keep_in_cache(cache, ids, ids_are_int64, row_bytes, out, rows);
 
   GatherCounters& counters = table.counters();
   uint64_t max_ahead = 0;
@@ -419,9 +464,13 @@ void gather_rows(MappedTable& table, const void* ids, bool ids_are_int64, int64_
   uint64_t seen = counters.max_advised_ahead_bytes.load();
   while (max_ahead > seen && !counters.max_advised_ahead_bytes.compare_exchange_weak(seen, max_ahead)) {
   }
+  if (cache.enabled()) {
+    counters.row_cache_hits += cache_hits;
+    counters.row_cache_misses += rows.size();
+  }
   counters.calls += 1;
-  counters.rows += n;
-  counters.bytes_copied += static_cast<uint64_t>(n) * row_bytes;
+  counters.rows += disk_rows;
+  counters.bytes_copied += disk_rows * row_bytes;
   counters.gather_ns += std::chrono::duration_cast<std::chrono::nanoseconds>(
                             std::chrono::steady_clock::now() - t0)
                             .count();

@@ -24,20 +24,23 @@ class GatherConfig:
     threads: a request of at least 256 rows per thread is split by address
         range over up to this many threads, which share the window.
         Default: the machine's CPUs, at most 16.
+    row_cache_mib: a host cache of recently gathered disk-tier rows, in
+        front of the disk, holding at most this many MiB; 0 (default) is off.
     """
 
     policy: str = "window"
     prefetch_window_kib: int = 4096
     threads: int = field(default_factory=lambda: min(16, os.cpu_count() or 1))
+    row_cache_mib: int = 0
 
     # Fields that change how rows are read but never which bytes come back.
     IO_ONLY_FIELDS: ClassVar[frozenset[str]] = frozenset(
-        {"policy", "prefetch_window_kib", "threads"})
+        {"policy", "prefetch_window_kib", "threads", "row_cache_mib"})
 
     def __post_init__(self):
         if self.policy not in POLICIES:
             raise ValueError(f"unknown prefetch policy {self.policy!r}; expected one of {POLICIES}")
-        for name, least in (("prefetch_window_kib", 0), ("threads", 1)):
+        for name, least in (("prefetch_window_kib", 0), ("threads", 1), ("row_cache_mib", 0)):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool):
                 raise ValueError(f"{name} must be an int, got {value!r}")

@@ -52,6 +52,9 @@ class StreamStaging:
         self.ids: PinnedBuffer | None = None
         self.rows: PinnedBuffer | None = None
         self.status = PinnedBuffer(4)
+        # Set by a call whose rows were all resident (no host gather checked
+        # its ids) when an id was out of range.
+        self.bad_id_flag = PinnedBuffer(4)
         self._retired: list[tuple[torch.cuda.Event | None, PinnedBuffer]] = []
 
     def reserve(self, n: int, capturing: bool) -> None:
@@ -72,6 +75,18 @@ class StreamStaging:
             for buffer in (self.ids, self.rows, self.status):
                 buffer.captured = True
 
+    def mark_captured(self, capturing: bool) -> None:
+        if capturing:
+            self.bad_id_flag.captured = True
+
+    def take_bad_id_flag(self) -> bool:
+        """Whether an earlier call found a bad id on the device; clears it."""
+        word = self.bad_id_flag.bytes[:4].view(torch.int32)
+        if word.item() == 0:
+            return False
+        word.zero_()
+        return True
+
     def _free_retired(self, capturing: bool) -> None:
         if capturing:
             return  # an event cannot be queried while a stream captures
@@ -84,14 +99,15 @@ class StreamStaging:
         self._retired = keep
 
     def nbytes(self) -> int:
-        live = [b for b in (self.ids, self.rows, self.status) if b is not None]
+        live = [b for b in (self.ids, self.rows, self.status, self.bad_id_flag) if b is not None]
         return sum(b.nbytes for b in live) + sum(b.nbytes for _, b in self._retired)
 
     def free(self) -> None:
         """Frees every buffer; the caller has synchronized the stream."""
-        for buffer in (self.ids, self.rows, self.status, *(b for _, b in self._retired)):
+        for buffer in (self.ids, self.rows, self.status, self.bad_id_flag,
+                       *(b for _, b in self._retired)):
             if buffer is not None:
                 buffer.free()
-        self.ids = self.rows = None
+        self.ids = self.rows = self.status = self.bad_id_flag = None
         self._retired = []
         self.capacity = 0

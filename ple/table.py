@@ -6,7 +6,7 @@ import errno
 import os
 import re
 import weakref
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Union
 
@@ -19,6 +19,7 @@ from .formats import BY_GGUF_TYPE, BY_SAFETENSORS_DTYPE, FORMATS, RowFormat
 from .gguf_header import read_gguf_tensors
 from .safetensors_header import TensorEntry, read_header
 from .staging import StreamStaging
+from .tiers import Placement
 
 PathsLike = Union[str, os.PathLike, Iterable[Union[str, os.PathLike]]]
 
@@ -175,6 +176,8 @@ class Table:
         self.paths = list(dict.fromkeys(s.path for s in shards))
         file_index = {path: i for i, path in enumerate(self.paths)}
         self._staging: dict[tuple[int, int], StreamStaging] = {}
+        self.placement: Placement | None = None
+        self._retired_placements: list[Placement] = []
         self._handle = native.open_table(
             [str(p) for p in self.paths], [file_index[s.path] for s in shards],
             [s.offset for s in shards], self.shard_rows, self.row_bytes)
@@ -232,6 +235,9 @@ class Table:
         if entry.nbytes != rows * fmt.row_bytes(cols):
             raise ValueError(f"{path}: tensor {tensor!r}: {entry.nbytes} bytes of data, but "
                              f"{rows} rows of {fmt.row_bytes(cols)} bytes")
+        if fmt.row_bytes(cols) > MAX_ROW_BYTES:  # only a table of no rows gets here
+            raise ValueError(f"{path}: tensor {tensor!r} has rows of {fmt.row_bytes(cols)} "
+                             f"bytes, more than {MAX_ROW_BYTES}")
         return cls(tensor, [entry], fmt, 1.0, config or GatherConfig())
 
     @property
@@ -258,7 +264,53 @@ class Table:
 
     def _push_config(self) -> None:
         c = self._config
-        native.configure(self.handle, c.policy, c.prefetch_window_kib * 1024, c.threads)
+        native.configure(self.handle, c.policy, c.prefetch_window_kib * 1024, c.threads,
+                         c.row_cache_mib << 20)
+
+    @property
+    def resident_rows(self) -> int:
+        """Rows ``[0, resident_rows)`` are in the device and host tiers."""
+        return self.placement.resident_rows if self.placement is not None else 0
+
+    def place(self, device_rows: int = 0, host_rows: int = 0, device=None,
+              progress: Callable[[int, int], None] | None = None) -> None:
+        """Keeps rows ``[0, device_rows)`` in the memory of ``device`` (a GPU)
+        and the next ``host_rows`` rows in host memory (page-locked when CUDA
+        is there); the rest stay on disk.  Gathers then read each id from its
+        tier, with the same bytes.  The rows are read now; ``progress(done,
+        total)`` is called as they are.  ``place()`` with no rows drops the
+        tiers.  A CUDA graph captured before a ``place`` keeps the tiers it
+        was captured with (they stay in memory until the table closes)."""
+        for name, value in (("device_rows", device_rows), ("host_rows", host_rows)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"ple: {name} must be a non-negative int, got {value!r}")
+        if device_rows + host_rows > self.num_rows:
+            raise ValueError(f"ple: device_rows + host_rows = {device_rows + host_rows} is more "
+                             f"than the {self.num_rows} rows of table {self.name!r}")
+        if device_rows:
+            device = torch.device(device if device is not None else "cuda")
+            if device.type != "cuda":
+                raise ValueError(f"ple: the device tier lives on a CUDA device, not {device}")
+            if not torch.cuda.is_available():
+                raise RuntimeError("ple: device_rows needs a CUDA device, and none is available")
+            if device.index is None:
+                device = torch.device("cuda", torch.cuda.current_device())
+        self._retire_placement()
+        if device_rows or host_rows:
+            self.placement = Placement(lambda ids, out: self.gather_bytes(ids, out=out),
+                                       self.row_bytes, device_rows, host_rows,
+                                       device if device_rows else None, progress)
+
+    def _retire_placement(self) -> None:
+        old, self.placement = self.placement, None
+        if old is None:
+            return
+        if old.captured:
+            self._retired_placements.append(old)
+            return
+        for staging in self._staging.values():
+            staging.stream.synchronize()
+        old.free()
 
     def gather_bytes(self, ids, out: torch.Tensor | None = None) -> torch.Tensor:
         """The raw rows ``ids`` as uint8 ``[*ids.shape, row_bytes]``, written
@@ -275,7 +327,10 @@ class Table:
               or not out.is_contiguous()):
             raise ValueError(f"ple: out must be a contiguous CPU uint8 tensor of shape "
                              f"{list(shape)}, not {out.dtype} {list(out.shape)} on {out.device}")
-        native.gather(self.handle, ids.reshape(-1).contiguous(), out)
+        flat = ids.reshape(-1).contiguous()
+        native.gather(self.handle, flat, out, self.resident_rows)
+        if self.placement is not None:
+            self.placement.fill_cpu(flat, out.view(-1, self.row_bytes))
         return out
 
     def prefetch(self, ids) -> None:
@@ -288,7 +343,8 @@ class Table:
         if ids.dtype not in (torch.int32, torch.int64) or ids.device.type != "cpu":
             raise TypeError(f"ple: prefetch takes int32 or int64 ids on the CPU, not {ids.dtype} "
                             f"on {ids.device}")
-        native.prefetch(self.handle, ids.reshape(-1).to(torch.int64).contiguous())
+        native.prefetch(self.handle, ids.reshape(-1).to(torch.int64).contiguous(),
+                        self.resident_rows)
 
     def staging_for(self, stream: torch.cuda.Stream) -> StreamStaging:
         """The pinned buffers of this table on a CUDA stream."""
@@ -299,15 +355,24 @@ class Table:
         return staging
 
     def pinned_bytes(self) -> int:
-        """Page-locked host memory held for the CUDA operator, all streams."""
-        return sum(staging.nbytes() for staging in self._staging.values())
+        """Page-locked host memory held for the CUDA operator (all streams) and
+        the host tier."""
+        placements = [p for p in (self.placement, *self._retired_placements) if p is not None]
+        return (sum(staging.nbytes() for staging in self._staging.values())
+                + sum(p.nbytes_pinned() for p in placements))
 
     def stats(self) -> dict[str, int]:
-        """Cumulative counters of every gather on this table (README "Counters")."""
-        return dict(native.stats(self.handle))
+        """Cumulative counters of every gather on this table (README "Counters");
+        reading them waits for the CUDA gathers already enqueued."""
+        stats = dict(native.stats(self.handle))
+        hits = (0, 0) if self.placement is None else self.placement.hits()
+        stats["device_tier_hits"], stats["host_tier_hits"] = hits
+        return stats
 
     def reset_stats(self) -> None:
         native.reset_stats(self.handle)
+        if self.placement is not None:
+            self.placement.reset_hits()
 
     def drop_page_cache(self) -> None:
         """Evicts this table's pages from the page cache (for cold benchmarks);
@@ -325,6 +390,11 @@ class Table:
             staging.stream.synchronize()
             staging.free()
         self._staging.clear()
+        for placement in (self.placement, *self._retired_placements):
+            if placement is not None:
+                placement.free()
+        self.placement = None
+        self._retired_placements = []
         _open_tables.pop(self._handle, None)
         native.close_table(self._handle)
         self._handle = None

@@ -1,0 +1,121 @@
+"""Device and host tiers: a table's first rows kept in memory.
+
+``Table.place(device_rows, host_rows, device)`` keeps rows ``[0, device_rows)``
+on a GPU and rows ``[device_rows, device_rows + host_rows)`` in host memory
+(page-locked when CUDA is there, so that kernels read it over UVA).  Rows are
+kept as the bytes of the file, packed as on disk; only the rows a call
+gathers are decoded.  The native gather skips ids below ``resident_rows``; the
+operator reads them from here.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+
+import torch
+
+from .staging import PinnedBuffer
+
+# Rows are read into the tiers this many bytes at a time, so that placing a
+# large device tier never holds more than this in host memory.
+LOAD_CHUNK_BYTES = 64 << 20
+
+
+class Placement:
+    """The rows of one table held in device and host memory."""
+
+    def __init__(self, gather_bytes: Callable[[torch.Tensor, torch.Tensor], None], row_bytes: int,
+                 device_rows: int, host_rows: int, device: torch.device | None,
+                 progress: Callable[[int, int], None] | None = None):
+        self.device_rows = device_rows
+        self.host_rows = host_rows
+        self.device = device
+        self.row_bytes = row_bytes
+        self.device_table: torch.Tensor | None = None
+        self._pinned: PinnedBuffer | None = None
+        self.host_table: torch.Tensor | None = None
+        self._cpu_hits = [0, 0]  # device, host: rows CPU gathers took from the tiers
+        self._cpu_hits_lock = threading.Lock()
+        self._device_hits: dict[torch.device, torch.Tensor] = {}
+        self.captured = False  # a CUDA graph reads the tiers: they live until the table closes
+
+        total = device_rows + host_rows
+        done = 0
+
+        def load(first: int, out: torch.Tensor) -> None:
+            nonlocal done
+            gather_bytes(torch.arange(first, first + out.shape[0], dtype=torch.int64), out)
+            done += out.shape[0]
+            if progress is not None:
+                progress(done, total)
+
+        chunk_rows = max(1, LOAD_CHUNK_BYTES // row_bytes)
+        if device_rows:
+            self.device_table = torch.empty((device_rows, row_bytes), dtype=torch.uint8, device=device)
+            staging = torch.empty((min(chunk_rows, device_rows), row_bytes), dtype=torch.uint8)
+            for first in range(0, device_rows, chunk_rows):
+                rows = staging[: min(chunk_rows, device_rows - first)]
+                load(first, rows)
+                self.device_table[first:first + rows.shape[0]].copy_(rows)
+        if host_rows:
+            if torch.cuda.is_available():
+                self._pinned = PinnedBuffer(host_rows * row_bytes)
+                flat = self._pinned.bytes[: host_rows * row_bytes]
+            else:
+                flat = torch.empty(host_rows * row_bytes, dtype=torch.uint8)
+            self.host_table = flat.view(host_rows, row_bytes)
+            for first in range(0, host_rows, chunk_rows):
+                load(device_rows + first, self.host_table[first:first + chunk_rows])
+
+    @property
+    def resident_rows(self) -> int:
+        return self.device_rows + self.host_rows
+
+    def fill_cpu(self, ids: torch.Tensor, out: torch.Tensor) -> None:
+        """Writes the resident rows of ``ids`` (valid, 1-D, CPU) into ``out``
+        ``[n, row_bytes]``, where the native gather left them."""
+        ids = ids.to(torch.int64)
+        on_device = ids < self.device_rows
+        on_host = (ids >= self.device_rows) & (ids < self.resident_rows)
+        device_hits = int(on_device.sum())
+        host_hits = int(on_host.sum())
+        if host_hits:
+            out[on_host] = self.host_table[ids[on_host] - self.device_rows]
+        if device_hits:
+            out[on_device] = self.device_table[ids[on_device].to(self.device)].cpu()
+        with self._cpu_hits_lock:
+            self._cpu_hits[0] += device_hits
+            self._cpu_hits[1] += host_hits
+
+    def hits_on(self, device: torch.device) -> torch.Tensor:
+        """int64 [device, host] counters that CUDA gathers on ``device`` add to."""
+        hits = self._device_hits.get(device)
+        if hits is None:
+            hits = self._device_hits[device] = torch.zeros(2, dtype=torch.int64, device=device)
+        return hits
+
+    def hits(self) -> tuple[int, int]:
+        """Rows served by the device and the host tier, every device together."""
+        device_hits, host_hits = self._cpu_hits
+        for counters in self._device_hits.values():
+            on_device, on_host = counters.tolist()
+            device_hits += on_device
+            host_hits += on_host
+        return device_hits, host_hits
+
+    def reset_hits(self) -> None:
+        with self._cpu_hits_lock:
+            self._cpu_hits = [0, 0]
+        for counters in self._device_hits.values():
+            counters.zero_()
+
+    def nbytes_pinned(self) -> int:
+        return self._pinned.nbytes if self._pinned is not None else 0
+
+    def free(self) -> None:
+        """Frees the tiers; the caller has synchronized the streams that read them."""
+        if self._pinned is not None:
+            self._pinned.free()
+            self._pinned = None
+        self.host_table = self.device_table = None

@@ -1,0 +1,336 @@
+"""Tiers and the row cache: every split of a table's rows among device, host
+and disk, and the cache on or off, give the bytes of a disk-only gather, and
+the counters say which tier served each row.
+
+The CPU tests run everywhere (the host tier works without CUDA); the device
+tier, the CUDA operator with tiers, graphs and compile need a GPU.  The tier
+assembly kernel also runs here under Triton's interpreter.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import save_file
+
+import ple
+import ple.kernels
+
+ROWS, ROW_BYTES = 2000, 160
+needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return np.random.default_rng(8).integers(0, 256, (ROWS, ROW_BYTES), dtype=np.uint8)
+
+
+@pytest.fixture
+def table(tmp_path, reference):
+    path = tmp_path / "t.safetensors"
+    rows = torch.from_numpy(reference).view(torch.float8_e4m3fn)
+    save_file({"emb.shard_0.weight": rows[:1200], "emb.shard_1.weight": rows[1200:],
+               "emb.weight_scale": torch.tensor(0.25)}, str(path))
+    with ple.Table.from_safetensors(path) as opened:
+        yield opened
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal to the bit, NaN included (random FP8 bytes hold NaNs)."""
+    ints = {4: torch.int32, 2: torch.int16}[a.element_size()]
+    return a.dtype == b.dtype and torch.equal(a.cpu().view(ints), b.cpu().view(ints))
+
+
+def request_ids(seed: int, n: int = 3000) -> torch.Tensor:
+    rng = np.random.default_rng(seed)
+    ids = rng.integers(0, ROWS, n)
+    ids[:4] = [0, ROWS - 1, 0, 999]  # both ends, a duplicate
+    return torch.from_numpy(ids)
+
+
+@pytest.mark.parametrize("host_rows", [0, 1, 999, 1000, ROWS])
+def test_host_tier_gives_the_disk_bytes_and_counts_each_tier(table, reference, host_rows):
+    table.place(host_rows=host_rows)
+    table.reset_stats()
+    ids = request_ids(host_rows)
+    rows = table.gather_bytes(ids)
+    assert np.array_equal(rows.numpy(), reference[ids.numpy()])
+    stats = table.stats()
+    on_host = int((ids < host_rows).sum())
+    assert stats["host_tier_hits"] == on_host
+    assert stats["device_tier_hits"] == 0
+    assert stats["rows"] == ids.numel() - on_host  # the disk tier's rows only
+
+
+def test_int32_ids_and_shapes_through_the_operator(table, reference):
+    table.place(host_rows=700)
+    ids = request_ids(3, 60).to(torch.int32).reshape(3, 4, 5)
+    values = torch.ops.ple.disk_gather(ids, table.handle, torch.float32)
+    table.place()
+    assert same_bits(values, torch.ops.ple.disk_gather(ids, table.handle, torch.float32))
+
+
+def test_bad_ids_raise_before_any_row_is_written(table):
+    table.place(host_rows=ROWS)
+    out = torch.full((3, ROW_BYTES), 7, dtype=torch.uint8)
+    with pytest.raises(IndexError, match=rf"row id {ROWS} at position 2 is out of range"):
+        table.gather_bytes(torch.tensor([0, 5, ROWS]), out=out)
+    assert bool((out == 7).all())
+
+
+def test_prefetched_rows_with_tiers(table, reference):
+    table.place(host_rows=500)
+    ids = request_ids(4)
+    table.prefetch(ids)
+    rows = table.gather_bytes(ids)
+    assert np.array_equal(rows.numpy(), reference[ids.numpy()])
+    assert table.stats()["prefetch_hits"] == 1
+
+
+def test_replacing_and_dropping_tiers(table, reference):
+    ids = request_ids(5)
+    for host_rows in (300, 1700, 0):
+        table.place(host_rows=host_rows)
+        assert table.resident_rows == host_rows
+        assert np.array_equal(table.gather_bytes(ids).numpy(), reference[ids.numpy()])
+    assert table.placement is None
+
+
+def test_place_progress_reports_every_row(table):
+    seen = []
+    table.place(host_rows=ROWS, progress=lambda done, total: seen.append((done, total)))
+    assert seen[-1] == (ROWS, ROWS)
+    assert all(total == ROWS for _, total in seen)
+
+
+@pytest.mark.parametrize("args, error, message", [
+    (dict(host_rows=-1), ValueError, "host_rows must be a non-negative int, got -1"),
+    (dict(device_rows=1.5), ValueError, "device_rows must be a non-negative int, got 1.5"),
+    (dict(host_rows=ROWS + 1), ValueError, f"device_rows \\+ host_rows = {ROWS + 1} is more than"),
+    (dict(device_rows=1, device="cpu"), ValueError, "the device tier lives on a CUDA device, not cpu"),
+])
+def test_place_rejects_bad_splits(table, args, error, message):
+    with pytest.raises(error, match=message):
+        table.place(**args)
+    assert table.placement is None
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message without a GPU")
+def test_device_tier_without_a_gpu_says_so(table):
+    with pytest.raises(RuntimeError, match="device_rows needs a CUDA device, and none is available"):
+        table.place(device_rows=10)
+
+
+# The row cache ----------------------------------------------------------------
+
+def test_cache_serves_repeated_rows_with_the_same_bytes(table, reference):
+    table.config = ple.GatherConfig(row_cache_mib=1)
+    ids = request_ids(6)
+    table.reset_stats()
+    first = table.gather_bytes(ids)
+    second = table.gather_bytes(ids)
+    assert np.array_equal(first.numpy(), reference[ids.numpy()])
+    assert torch.equal(first, second)
+    stats = table.stats()
+    # First call: every row misses (duplicates too: the lookup precedes the
+    # reads); second call: every row hits.
+    assert stats["row_cache_misses"] == ids.numel()
+    assert stats["row_cache_hits"] == ids.numel()
+    assert stats["rows"] == 2 * ids.numel()
+
+
+def test_a_small_cache_evicts_and_never_changes_bytes(table, reference):
+    table.config = ple.GatherConfig(row_cache_mib=0)
+    calls = [request_ids(seed, 700) for seed in range(10, 20)]
+    without = [table.gather_bytes(ids) for ids in calls]
+    # 1 MiB holds 6553 rows of 160 B: ask for a budget smaller than the table.
+    table.config = ple.GatherConfig(row_cache_mib=1)
+    table.reset_stats()
+    for _ in range(2):
+        for ids, expected in zip(calls, without):
+            assert torch.equal(table.gather_bytes(ids), expected)
+    stats = table.stats()
+    assert stats["row_cache_hits"] + stats["row_cache_misses"] == 2 * sum(i.numel() for i in calls)
+    assert stats["row_cache_hits"] > 0
+
+
+def test_cache_sits_behind_the_tiers(table, reference):
+    table.config = ple.GatherConfig(row_cache_mib=1)
+    table.place(host_rows=1000)
+    table.reset_stats()
+    ids = request_ids(7)
+    table.gather_bytes(ids)
+    table.gather_bytes(ids)
+    stats = table.stats()
+    disk = int((ids >= 1000).sum())
+    assert stats["row_cache_hits"] + stats["row_cache_misses"] == 2 * disk
+    assert stats["host_tier_hits"] == 2 * (ids.numel() - disk)
+
+
+def test_drop_page_cache_empties_the_row_cache(table):
+    table.config = ple.GatherConfig(row_cache_mib=1)
+    ids = request_ids(8, 100)
+    table.gather_bytes(ids)
+    table.drop_page_cache()
+    table.reset_stats()
+    table.gather_bytes(ids)
+    assert table.stats()["row_cache_hits"] == 0
+
+
+def test_row_cache_mib_is_validated_and_io_only():
+    with pytest.raises(ValueError, match="row_cache_mib must be at least 0, got -1"):
+        ple.GatherConfig(row_cache_mib=-1)
+    assert "row_cache_mib" in ple.GatherConfig.IO_ONLY_FIELDS
+    assert ple.GatherConfig(row_cache_mib=64).compute_hash() == ple.GatherConfig().compute_hash()
+
+
+# The tier assembly kernel under Triton's interpreter -------------------------
+
+KERNEL_FILE = Path(ple.kernels.__file__).parent / "tier_rows_triton.py"
+
+
+@pytest.fixture(scope="module")
+def interpreted():
+    pytest.importorskip("triton")
+    old = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        spec = importlib.util.spec_from_file_location("_ple_tier_rows_interpreted", KERNEL_FILE)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        yield module
+    finally:
+        if old is None:
+            os.environ.pop("TRITON_INTERPRET", None)
+        else:
+            os.environ["TRITON_INTERPRET"] = old
+
+
+@pytest.mark.parametrize("device_rows, host_rows, with_disk", [
+    (0, 0, True), (30, 0, True), (0, 50, True), (30, 50, True), (40, 60, False), (100, 0, False)])
+@pytest.mark.parametrize("row_bytes", [1, 17, 160, 1500])
+def test_assembly_picks_each_row_from_its_tier(interpreted, device_rows, host_rows, with_disk,
+                                               row_bytes):
+    num_rows = 100
+    rng = np.random.default_rng(row_bytes)
+    table = torch.from_numpy(rng.integers(0, 256, (num_rows, row_bytes), dtype=np.uint8))
+    ids = torch.from_numpy(rng.integers(0, num_rows if with_disk else device_rows + host_rows, 37))
+    staged = torch.zeros((37, row_bytes), dtype=torch.uint8)
+    on_disk = ids >= device_rows + host_rows
+    staged[on_disk] = table[ids[on_disk]]
+    out = torch.empty((37, row_bytes), dtype=torch.uint8)
+    hits = torch.zeros(2, dtype=torch.int64)
+    status_out = torch.zeros(1, dtype=torch.int32)
+    interpreted.assemble_rows_triton(
+        ids, out, table[:device_rows] if device_rows else None,
+        table[device_rows:device_rows + host_rows] if host_rows else None,
+        staged if with_disk else None, device_rows, num_rows, hits,
+        torch.zeros(1, dtype=torch.int32) if with_disk else None, status_out)
+    assert torch.equal(out, table[ids])
+    assert hits.tolist() == [int((ids < device_rows).sum()),
+                             int(((ids >= device_rows) & ~on_disk).sum())]
+    assert status_out.item() == 0
+
+
+@pytest.mark.parametrize("bad_id, status_in", [(100, 0), (-1, 0), (5, 1)])
+def test_assembly_flags_bad_ids_and_failed_host_gathers(interpreted, bad_id, status_in):
+    table = torch.arange(100, dtype=torch.uint8).reshape(100, 1)
+    ids = torch.tensor([3, bad_id, 7])
+    out = torch.empty((3, 1), dtype=torch.uint8)
+    status_out = torch.zeros(1, dtype=torch.int32)
+    has_disk = status_in != 0
+    device_rows = 10 if has_disk else 100
+    interpreted.assemble_rows_triton(
+        ids, out, table[:device_rows], None, torch.zeros((3, 1), dtype=torch.uint8) if has_disk else None,
+        device_rows, 100, torch.zeros(2, dtype=torch.int64),
+        torch.tensor([status_in], dtype=torch.int32) if has_disk else None, status_out)
+    assert status_out.item() == 1
+
+
+# The CUDA operator with tiers --------------------------------------------------
+
+SPLITS = [(0, 0), (500, 0), (0, 700), (500, 700), (ROWS, 0), (0, ROWS), (1200, ROWS - 1200)]
+
+
+@needs_gpu
+@pytest.mark.parametrize("device_rows, host_rows", SPLITS)
+@pytest.mark.parametrize("n", [16, 9000])  # staged rows read over UVA, then from a device copy
+def test_cuda_gather_with_every_split_equals_disk_only(table, device_rows, host_rows, n):
+    ids = request_ids(device_rows + host_rows, n).cuda()
+    expected = torch.ops.ple.disk_gather(ids.cpu(), table.handle, torch.bfloat16)
+    table.place(device_rows=device_rows, host_rows=host_rows, device="cuda")
+    table.reset_stats()
+    values = torch.ops.ple.disk_gather(ids, table.handle, torch.bfloat16)
+    assert same_bits(values, expected)
+    stats = table.stats()
+    resident = device_rows + host_rows
+    assert stats["device_tier_hits"] == int((ids < device_rows).sum())
+    assert stats["host_tier_hits"] == int(((ids >= device_rows) & (ids < resident)).sum())
+    assert stats["rows"] == int((ids >= resident).sum())
+    # With every row resident no host gather runs at all.
+    assert stats["calls"] == (0 if resident == ROWS else 1)
+
+
+@needs_gpu
+def test_cuda_with_everything_resident_touches_no_staging(table):
+    table.place(device_rows=1000, host_rows=ROWS - 1000)
+    torch.ops.ple.disk_gather(request_ids(1, 5000).cuda(), table.handle)
+    torch.cuda.synchronize()
+    staging = table.staging_for(torch.cuda.current_stream())
+    assert staging.rows is None and staging.ids is None
+    assert table.stats()["calls"] == 0
+
+
+@needs_gpu
+def test_cuda_bad_id_with_everything_resident_gives_nan_then_raises(table):
+    table.place(device_rows=ROWS)
+    values = torch.ops.ple.disk_gather(torch.tensor([1, ROWS], device="cuda"), table.handle,
+                                       torch.float32)
+    assert bool(values.isnan().all())
+    torch.cuda.synchronize()  # the flag is written by the device; the next call reads it
+    with pytest.raises(RuntimeError, match=rf"an id was out of range \[0, {ROWS}\)"):
+        torch.ops.ple.disk_gather(torch.tensor([1], device="cuda"), table.handle)
+    again = torch.ops.ple.disk_gather(torch.tensor([1], device="cuda"), table.handle)
+    assert same_bits(again, torch.ops.ple.disk_gather(torch.tensor([1]), table.handle))
+
+
+@needs_gpu
+@pytest.mark.parametrize("device_rows, host_rows", [(500, 700), (ROWS, 0)])
+def test_cuda_graph_replays_with_tiers(table, device_rows, host_rows):
+    table.place(device_rows=device_rows, host_rows=host_rows)
+    static_ids = request_ids(0, 64).cuda()
+    torch.ops.ple.disk_gather(static_ids, table.handle)  # warm up Triton outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = torch.ops.ple.disk_gather(static_ids, table.handle, torch.float32)
+    for seed in range(1, 4):
+        ids = request_ids(seed, 64).cuda()
+        static_ids.copy_(ids)
+        graph.replay()
+        torch.cuda.synchronize()
+        expected = torch.ops.ple.disk_gather(ids.cpu(), table.handle, torch.float32)
+        assert same_bits(static_out, expected)
+    # Re-placing keeps the captured tiers alive: the old graph still replays its rows.
+    table.place(host_rows=100)
+    graph.replay()
+    torch.cuda.synchronize()
+
+
+@needs_gpu
+def test_compiled_with_tiers(table):
+    table.place(device_rows=300, host_rows=900)
+    handle = table.handle
+
+    def embed(ids):
+        return torch.ops.ple.disk_gather(ids, handle, torch.float32) * 2
+
+    compiled = torch.compile(embed, fullgraph=True, mode="reduce-overhead")
+    for seed in range(3):
+        ids = request_ids(seed, 128).cuda()
+        assert same_bits(compiled(ids), embed(ids.cpu()))
