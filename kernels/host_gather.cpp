@@ -27,6 +27,7 @@ namespace {
 
 using CUresult = int;
 using CUstream = void*;
+using CUcontext = void*;
 using CUhostFn = void (*)(void*);
 
 // The few driver entry points this file uses, found at run time.
@@ -35,6 +36,11 @@ struct Driver {
   CUresult (*mem_host_register)(void*, size_t, unsigned) = nullptr;
   CUresult (*mem_host_unregister)(void*) = nullptr;
   CUresult (*exchange_capture_mode)(int*) = nullptr;
+  CUresult (*init)(unsigned) = nullptr;
+  CUresult (*ctx_get_current)(CUcontext*) = nullptr;
+  CUresult (*ctx_set_current)(CUcontext) = nullptr;
+  CUresult (*device_get)(int*, int) = nullptr;
+  CUresult (*primary_ctx_retain)(CUcontext*, int) = nullptr;
 };
 
 const Driver& driver() {
@@ -47,10 +53,19 @@ const Driver& driver() {
     d.mem_host_unregister = reinterpret_cast<decltype(d.mem_host_unregister)>(::dlsym(lib, "cuMemHostUnregister"));
     d.exchange_capture_mode =
         reinterpret_cast<decltype(d.exchange_capture_mode)>(::dlsym(lib, "cuThreadExchangeStreamCaptureMode"));
+    d.init = reinterpret_cast<decltype(d.init)>(::dlsym(lib, "cuInit"));
+    d.ctx_get_current = reinterpret_cast<decltype(d.ctx_get_current)>(::dlsym(lib, "cuCtxGetCurrent"));
+    d.ctx_set_current = reinterpret_cast<decltype(d.ctx_set_current)>(::dlsym(lib, "cuCtxSetCurrent"));
+    d.device_get = reinterpret_cast<decltype(d.device_get)>(::dlsym(lib, "cuDeviceGet"));
+    d.primary_ctx_retain =
+        reinterpret_cast<decltype(d.primary_ctx_retain)>(::dlsym(lib, "cuDevicePrimaryCtxRetain"));
     return d;
   }();
   if (loaded.launch_host_func == nullptr || loaded.mem_host_register == nullptr ||
-      loaded.mem_host_unregister == nullptr || loaded.exchange_capture_mode == nullptr) {
+      loaded.mem_host_unregister == nullptr || loaded.exchange_capture_mode == nullptr ||
+      loaded.init == nullptr || loaded.ctx_get_current == nullptr ||
+      loaded.ctx_set_current == nullptr || loaded.device_get == nullptr ||
+      loaded.primary_ctx_retain == nullptr) {
     throw OsError("cannot load the CUDA driver (libcuda.so.1) or find its entry points");
   }
   return loaded;
@@ -71,6 +86,21 @@ class RelaxedCaptureMode {
  private:
   int mode_ = 2;  // CU_STREAM_CAPTURE_MODE_RELAXED
 };
+
+// Page-locking needs a current context.  A thread that has not used CUDA yet
+// (a host tier placed before any CUDA call, a table closed from another
+// thread) gets the primary context of device 0, the one torch uses; the
+// memory is registered PORTABLE, so it serves every device.
+void ensure_context() {
+  CUcontext current = nullptr;
+  check(driver().ctx_get_current(&current), "cuCtxGetCurrent");
+  if (current != nullptr) return;
+  int device = 0;
+  check(driver().init(0), "cuInit");
+  check(driver().device_get(&device, 0), "cuDeviceGet");
+  check(driver().primary_ctx_retain(&current, device), "cuDevicePrimaryCtxRetain");
+  check(driver().ctx_set_current(current), "cuCtxSetCurrent");
+}
 
 struct HostGatherJob {
   int64_t handle;
@@ -114,12 +144,14 @@ void run_job(void* data) {
 }  // namespace
 
 void register_host_memory(void* data, size_t bytes) {
+  ensure_context();
   RelaxedCaptureMode relaxed;
   // PORTABLE: pinned for every context; DEVICEMAP: kernels may read it (UVA).
   check(driver().mem_host_register(data, bytes, 0x01 | 0x02), "cuMemHostRegister");
 }
 
 void unregister_host_memory(void* data) {
+  ensure_context();
   RelaxedCaptureMode relaxed;
   check(driver().mem_host_unregister(data), "cuMemHostUnregister");
 }

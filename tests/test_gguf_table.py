@@ -208,3 +208,18 @@ def test_corrupt_headers_raise_or_open_never_hang(gguf_file, tmp_path):
                 signal.alarm(0)
     finally:
         signal.signal(signal.SIGALRM, previous)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("name", FORMATS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("host_rows", [0, 20])
+def test_cuda_rows_equal_the_cpu_rows(gguf_file, name, dtype, host_rows):
+    path, _ = gguf_file
+    ids = torch.from_numpy(rng.integers(0, ROWS, (3, 41)))
+    with ple.Table.from_gguf(path, name) as table:
+        expected = torch.ops.ple.disk_gather(ids, table.handle, dtype)
+        table.place(host_rows=host_rows)
+        values = torch.ops.ple.disk_gather(ids.cuda(), table.handle, dtype)
+        ints = {4: torch.int32, 2: torch.int16}[values.element_size()]
+        assert torch.equal(values.cpu().view(ints), expected.view(ints))

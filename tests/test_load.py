@@ -13,6 +13,10 @@ the threads asked of it.
 stays within a bound of what it was after 500 warm-up calls, and once the
 table is closed no file descriptor or mapping of its file is left.
 
+(a) runs again on CUDA when there is a GPU: each thread gathers with CUDA
+ids on its own stream (the host gathers run inside the streams), and the
+decoded values (U8 rows, scale 1) must equal the reference bytes.
+
 Only counts and bytes are asserted, never times: the number of calls in (a)
 depends on the machine, what is checked about them does not.
 """
@@ -82,7 +86,7 @@ def tables(tmp_path_factory):
         t.table.close()
 
 
-def _hammer(tables: list[LoadTable]) -> None:
+def _hammer(tables: list[LoadTable], on_cuda: bool = False) -> None:
     """THREADS threads gather from ``tables`` for LOAD_SECONDS; then each table's
     counters must equal the calls and rows the threads made of it."""
     for t in tables:
@@ -95,6 +99,7 @@ def _hammer(tables: list[LoadTable]) -> None:
     def worker(k: int) -> None:
         rng = np.random.default_rng(100 + k)
         try:
+            stream = torch.cuda.Stream() if on_cuda else None
             barrier.wait()
             deadline = time.monotonic() + LOAD_SECONDS
             while True:
@@ -102,7 +107,11 @@ def _hammer(tables: list[LoadTable]) -> None:
                 t = tables[j]
                 ids = rng.integers(0, t.table.num_rows, int(rng.integers(1, MAX_REQUEST + 1)))
                 ids_t = torch.from_numpy(ids).to(torch.int32 if rng.random() < 0.3 else torch.int64)
-                if rng.random() < 0.5:
+                if on_cuda:
+                    with torch.cuda.stream(stream):
+                        values = torch.ops.ple.disk_gather(ids_t.cuda(), t.table.handle)
+                        got = values.cpu().to(torch.uint8)  # U8 rows at scale 1: exact
+                elif rng.random() < 0.5:
                     got = t.table.gather_bytes(ids_t)
                 else:
                     got = torch.ops.ple.disk_gather_bytes(ids_t, t.table.handle)
@@ -135,6 +144,12 @@ def test_sixteen_threads_on_one_table(tables):
 
 def test_sixteen_threads_on_four_tables(tables):
     _hammer(tables)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_sixteen_threads_on_cuda_streams(tables):
+    _hammer(tables[:1], on_cuda=True)
+    _hammer(tables, on_cuda=True)
 
 
 # ---------------------------------------------------------------- (b) memory and files

@@ -4,14 +4,11 @@ the counters say which tier served each row.
 
 The CPU tests run everywhere (the host tier works without CUDA); the device
 tier, the CUDA operator with tiers, graphs and compile need a GPU.  The tier
-assembly kernel also runs here under Triton's interpreter.
+assembly kernel alone is tested under Triton's interpreter in
+test_tier_rows_triton.py.
 """
 
 from __future__ import annotations
-
-import importlib.util
-import os
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -19,7 +16,6 @@ import torch
 from safetensors.torch import save_file
 
 import ple
-import ple.kernels
 
 ROWS, ROW_BYTES = 2000, 160
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -40,10 +36,11 @@ def table(tmp_path, reference):
         yield opened
 
 
-def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Equal to the bit, NaN included (random FP8 bytes hold NaNs)."""
-    ints = {4: torch.int32, 2: torch.int16}[a.element_size()]
-    return a.dtype == b.dtype and torch.equal(a.cpu().view(ints), b.cpu().view(ints))
+def same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal values, NaN where NaN (random FP8 bytes hold NaNs; the CPU and
+    the CUDA decoders may give them different payloads)."""
+    torch.testing.assert_close(a.cpu(), b.cpu(), rtol=0, atol=0, equal_nan=True)
+    return True
 
 
 def request_ids(seed: int, n: int = 3000) -> torch.Tensor:
@@ -72,7 +69,7 @@ def test_int32_ids_and_shapes_through_the_operator(table, reference):
     ids = request_ids(3, 60).to(torch.int32).reshape(3, 4, 5)
     values = torch.ops.ple.disk_gather(ids, table.handle, torch.float32)
     table.place()
-    assert same_bits(values, torch.ops.ple.disk_gather(ids, table.handle, torch.float32))
+    assert same_values(values, torch.ops.ple.disk_gather(ids, table.handle, torch.float32))
 
 
 def test_bad_ids_raise_before_any_row_is_written(table):
@@ -189,69 +186,6 @@ def test_row_cache_mib_is_validated_and_io_only():
     assert ple.GatherConfig(row_cache_mib=64).compute_hash() == ple.GatherConfig().compute_hash()
 
 
-# The tier assembly kernel under Triton's interpreter -------------------------
-
-KERNEL_FILE = Path(ple.kernels.__file__).parent / "tier_rows_triton.py"
-
-
-@pytest.fixture(scope="module")
-def interpreted():
-    pytest.importorskip("triton")
-    old = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"
-    try:
-        spec = importlib.util.spec_from_file_location("_ple_tier_rows_interpreted", KERNEL_FILE)
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        yield module
-    finally:
-        if old is None:
-            os.environ.pop("TRITON_INTERPRET", None)
-        else:
-            os.environ["TRITON_INTERPRET"] = old
-
-
-@pytest.mark.parametrize("device_rows, host_rows, with_disk", [
-    (0, 0, True), (30, 0, True), (0, 50, True), (30, 50, True), (40, 60, False), (100, 0, False)])
-@pytest.mark.parametrize("row_bytes", [1, 17, 160, 1500])
-def test_assembly_picks_each_row_from_its_tier(interpreted, device_rows, host_rows, with_disk,
-                                               row_bytes):
-    num_rows = 100
-    rng = np.random.default_rng(row_bytes)
-    table = torch.from_numpy(rng.integers(0, 256, (num_rows, row_bytes), dtype=np.uint8))
-    ids = torch.from_numpy(rng.integers(0, num_rows if with_disk else device_rows + host_rows, 37))
-    staged = torch.zeros((37, row_bytes), dtype=torch.uint8)
-    on_disk = ids >= device_rows + host_rows
-    staged[on_disk] = table[ids[on_disk]]
-    out = torch.empty((37, row_bytes), dtype=torch.uint8)
-    hits = torch.zeros(2, dtype=torch.int64)
-    status_out = torch.zeros(1, dtype=torch.int32)
-    interpreted.assemble_rows_triton(
-        ids, out, table[:device_rows] if device_rows else None,
-        table[device_rows:device_rows + host_rows] if host_rows else None,
-        staged if with_disk else None, device_rows, num_rows, hits,
-        torch.zeros(1, dtype=torch.int32) if with_disk else None, status_out)
-    assert torch.equal(out, table[ids])
-    assert hits.tolist() == [int((ids < device_rows).sum()),
-                             int(((ids >= device_rows) & ~on_disk).sum())]
-    assert status_out.item() == 0
-
-
-@pytest.mark.parametrize("bad_id, status_in", [(100, 0), (-1, 0), (5, 1)])
-def test_assembly_flags_bad_ids_and_failed_host_gathers(interpreted, bad_id, status_in):
-    table = torch.arange(100, dtype=torch.uint8).reshape(100, 1)
-    ids = torch.tensor([3, bad_id, 7])
-    out = torch.empty((3, 1), dtype=torch.uint8)
-    status_out = torch.zeros(1, dtype=torch.int32)
-    has_disk = status_in != 0
-    device_rows = 10 if has_disk else 100
-    interpreted.assemble_rows_triton(
-        ids, out, table[:device_rows], None, torch.zeros((3, 1), dtype=torch.uint8) if has_disk else None,
-        device_rows, 100, torch.zeros(2, dtype=torch.int64),
-        torch.tensor([status_in], dtype=torch.int32) if has_disk else None, status_out)
-    assert status_out.item() == 1
-
-
 # The CUDA operator with tiers --------------------------------------------------
 
 SPLITS = [(0, 0), (500, 0), (0, 700), (500, 700), (ROWS, 0), (0, ROWS), (1200, ROWS - 1200)]
@@ -264,9 +198,9 @@ def test_cuda_gather_with_every_split_equals_disk_only(table, device_rows, host_
     ids = request_ids(device_rows + host_rows, n).cuda()
     expected = torch.ops.ple.disk_gather(ids.cpu(), table.handle, torch.bfloat16)
     table.place(device_rows=device_rows, host_rows=host_rows, device="cuda")
-    table.reset_stats()
+    table.reset_stats()  # place() itself gathered the resident rows
     values = torch.ops.ple.disk_gather(ids, table.handle, torch.bfloat16)
-    assert same_bits(values, expected)
+    assert same_values(values, expected)
     stats = table.stats()
     resident = device_rows + host_rows
     assert stats["device_tier_hits"] == int((ids < device_rows).sum())
@@ -279,6 +213,7 @@ def test_cuda_gather_with_every_split_equals_disk_only(table, device_rows, host_
 @needs_gpu
 def test_cuda_with_everything_resident_touches_no_staging(table):
     table.place(device_rows=1000, host_rows=ROWS - 1000)
+    table.reset_stats()
     torch.ops.ple.disk_gather(request_ids(1, 5000).cuda(), table.handle)
     torch.cuda.synchronize()
     staging = table.staging_for(torch.cuda.current_stream())
@@ -296,7 +231,7 @@ def test_cuda_bad_id_with_everything_resident_gives_nan_then_raises(table):
     with pytest.raises(RuntimeError, match=rf"an id was out of range \[0, {ROWS}\)"):
         torch.ops.ple.disk_gather(torch.tensor([1], device="cuda"), table.handle)
     again = torch.ops.ple.disk_gather(torch.tensor([1], device="cuda"), table.handle)
-    assert same_bits(again, torch.ops.ple.disk_gather(torch.tensor([1]), table.handle))
+    assert same_values(again, torch.ops.ple.disk_gather(torch.tensor([1]), table.handle))
 
 
 @needs_gpu
@@ -315,7 +250,7 @@ def test_cuda_graph_replays_with_tiers(table, device_rows, host_rows):
         graph.replay()
         torch.cuda.synchronize()
         expected = torch.ops.ple.disk_gather(ids.cpu(), table.handle, torch.float32)
-        assert same_bits(static_out, expected)
+        assert same_values(static_out, expected)
     # Re-placing keeps the captured tiers alive: the old graph still replays its rows.
     table.place(host_rows=100)
     graph.replay()
@@ -333,4 +268,4 @@ def test_compiled_with_tiers(table):
     compiled = torch.compile(embed, fullgraph=True, mode="reduce-overhead")
     for seed in range(3):
         ids = request_ids(seed, 128).cuda()
-        assert same_bits(compiled(ids), embed(ids.cpu()))
+        assert same_values(compiled(ids), embed(ids.cpu()))

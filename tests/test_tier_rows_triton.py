@@ -1,0 +1,81 @@
+"""The tier assembly kernel (kernels/tier_rows_triton.py) under Triton's
+interpreter, on CPU tensors: each row from its tier, hits counted, bad ids and
+failed host gathers flagged.
+
+TRITON_INTERPRET is read when ``@triton.jit`` decorates a function, so the
+kernel module is loaded privately with it set, and it is restored at once:
+the CUDA operator's own copy of the kernel must stay compiled.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import ple.kernels
+
+KERNEL_FILE = Path(ple.kernels.__file__).parent / "tier_rows_triton.py"
+
+
+@pytest.fixture(scope="module")
+def interpreted():
+    pytest.importorskip("triton")
+    old = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        spec = importlib.util.spec_from_file_location("_ple_tier_rows_interpreted", KERNEL_FILE)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    finally:
+        if old is None:
+            os.environ.pop("TRITON_INTERPRET", None)
+        else:
+            os.environ["TRITON_INTERPRET"] = old
+    assert type(module.assemble_rows_kernel).__name__ == "InterpretedFunction"
+    return module
+
+
+@pytest.mark.parametrize("device_rows, host_rows, with_disk", [
+    (0, 0, True), (30, 0, True), (0, 50, True), (30, 50, True), (40, 60, False), (100, 0, False)])
+@pytest.mark.parametrize("row_bytes", [1, 17, 160, 1500])
+def test_assembly_picks_each_row_from_its_tier(interpreted, device_rows, host_rows, with_disk,
+                                               row_bytes):
+    num_rows = 100
+    rng = np.random.default_rng(row_bytes)
+    table = torch.from_numpy(rng.integers(0, 256, (num_rows, row_bytes), dtype=np.uint8))
+    ids = torch.from_numpy(rng.integers(0, num_rows if with_disk else device_rows + host_rows, 37))
+    staged = torch.zeros((37, row_bytes), dtype=torch.uint8)
+    on_disk = ids >= device_rows + host_rows
+    staged[on_disk] = table[ids[on_disk]]
+    out = torch.empty((37, row_bytes), dtype=torch.uint8)
+    hits = torch.zeros(2, dtype=torch.int64)
+    status_out = torch.zeros(1, dtype=torch.int32)
+    interpreted.assemble_rows_triton(
+        ids, out, table[:device_rows] if device_rows else None,
+        table[device_rows:device_rows + host_rows] if host_rows else None,
+        staged if with_disk else None, device_rows, num_rows, hits,
+        torch.zeros(1, dtype=torch.int32) if with_disk else None, status_out)
+    assert torch.equal(out, table[ids])
+    assert hits.tolist() == [int((ids < device_rows).sum()),
+                             int(((ids >= device_rows) & ~on_disk).sum())]
+    assert status_out.item() == 0
+
+
+@pytest.mark.parametrize("bad_id, status_in", [(100, 0), (-1, 0), (5, 1)])
+def test_assembly_flags_bad_ids_and_failed_host_gathers(interpreted, bad_id, status_in):
+    table = torch.arange(100, dtype=torch.uint8).reshape(100, 1)
+    ids = torch.tensor([3, bad_id, 7])
+    out = torch.empty((3, 1), dtype=torch.uint8)
+    status_out = torch.zeros(1, dtype=torch.int32)
+    has_disk = status_in != 0
+    device_rows = 10 if has_disk else 100
+    interpreted.assemble_rows_triton(
+        ids, out, table[:device_rows], None, torch.zeros((3, 1), dtype=torch.uint8) if has_disk else None,
+        device_rows, 100, torch.zeros(2, dtype=torch.int64),
+        torch.tensor([status_in], dtype=torch.int32) if has_disk else None, status_out)
+    assert status_out.item() == 1
