@@ -1,74 +1,66 @@
-"""Reads where the tensors of a GGUF file are, with the gguf package's reader
-(which maps the file but reads no tensor data)."""
+"""Reads where the tensors of a GGUF file are.
+
+The whole header (key-values and tensor infos) is first walked here, with
+every count, length, dimension, type and offset checked against the file and
+the GGUF rules, in Python ints (no uint64 wrap-around), so that a corrupt file
+is a ValueError that says what is wrong and where.  Only then is the file
+handed to the gguf package's reader (which maps the file and reads no tensor
+data, but trusts the counts it reads and adds offsets in uint64), and its
+reading must agree with the walk's."""
 
 from __future__ import annotations
 
 import mmap
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 from .safetensors_header import TensorEntry
 
 
-def read_gguf_tensors(path: Path) -> dict[str, TensorEntry]:
-    """The tensors of one GGUF file by name, shapes in row-major order (rows
-    first) and dtype the GGML type's name.  Raises OSError when the file cannot
-    be read and ValueError, naming the file, when it is not a valid GGUF file."""
-    from gguf import GGMLQuantizationType, GGUFReader
-
-    file_size = os.stat(path).st_size  # OSError for a missing or unreadable file
-    with open(path, "rb") as f:
-        if file_size < 24:
-            raise ValueError(f"{path}: not a readable GGUF file: {file_size} bytes")
-        # Mapped, not read: the walk touches the header's pages only.
-        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as header:
-            _check_counts(path, header, file_size)
-    try:
-        reader = GGUFReader(path)
-        tensors = list(reader.tensors)
-    except OSError:
-        raise
-    except Exception as error:  # the reader's errors on corrupt input are of many kinds
-        raise ValueError(f"{path}: not a readable GGUF file: {error}") from None
-    entries = {}
-    for tensor in tensors:
-        try:
-            dtype = GGMLQuantizationType(int(tensor.tensor_type)).name
-        except ValueError:
-            dtype = f"type {int(tensor.tensor_type)}"
-        entry = TensorEntry(path, tensor.name, dtype,
-                            tuple(int(d) for d in reversed(tensor.shape.tolist())),
-                            int(tensor.data_offset), int(tensor.n_bytes))
-        if entry.offset + entry.nbytes > file_size:
-            raise ValueError(f"{path}: tensor {entry.name!r}: data (bytes {entry.offset} to "
-                             f"{entry.offset + entry.nbytes}) runs past the end of the file "
-                             f"({file_size} bytes)")
-        entries[tensor.name] = entry
-    return entries
-
-
 # Sizes of GGUF's scalar value types (gguf.GGUFValueType), by type number.
 SCALAR_BYTES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
-STRING, ARRAY = 8, 9
-# The fewest bytes a tensor info takes: name length, dimension count, one
-# dimension, type, offset.
-MIN_TENSOR_INFO_BYTES = 8 + 4 + 8 + 4 + 8
+UINT32, STRING, ARRAY = 4, 8, 9
+# The fewest bytes a tensor info takes: name length, dimension count (of no
+# dimensions), type, offset.
+MIN_TENSOR_INFO_BYTES = 8 + 4 + 4 + 8
+MIN_KV_BYTES = 8 + 4 + 1
+VERSIONS = (2, 3)  # those gguf.GGUFReader reads
+MAX_DIMS = 4  # GGML_MAX_DIMS: GGUF tensors have at most four dimensions
+INT64_MAX = 2**63 - 1  # ggml counts elements in int64
+DEFAULT_ALIGNMENT = 32  # gguf.GGUF_DEFAULT_ALIGNMENT
+# Names the gguf reader gives its own fields: a key of one of these names is a
+# duplicate key to it.
+RESERVED_KEYS = ("GGUF.version", "GGUF.tensor_count", "GGUF.kv_count")
+
+
+@dataclass(frozen=True)
+class _TensorInfo:
+    name: str
+    dims: tuple[int, ...]  # ggml order: the row length (ne0) first
+    ggml_type: int
+    offset: int  # from the start of the data section
+    at: int  # where the info starts in the file
 
 
 class _Walk:
-    """Walks the key-value section of a GGUF header checking only that every
-    count and length fits in what is left of the file, so that the reader,
-    which trusts them, never walks a corrupt count for minutes."""
+    """Walks a GGUF header, checking that every count and length fits in what
+    is left of the file, so that the reader, which trusts them, never walks a
+    corrupt count for minutes."""
 
     def __init__(self, path: Path, data: bytes):
         self.path, self.data, self.at = path, data, 0
 
-    def bad(self, why: str) -> ValueError:
-        return ValueError(f"{self.path}: not a readable GGUF file: {why} at byte {self.at}")
+    def bad(self, why: str, at: int | None = None) -> ValueError:
+        at = self.at if at is None else at
+        return ValueError(f"{self.path}: not a readable GGUF file: {why} at byte {at}")
+
+    def left(self) -> int:
+        return len(self.data) - self.at
 
     def take(self, size: int) -> bytes:
-        if size > len(self.data) - self.at:
-            raise self.bad(f"{size} bytes needed, {len(self.data) - self.at} left")
+        if size > self.left():
+            raise self.bad(f"{size} bytes needed, {self.left()} left")
         chunk = self.data[self.at:self.at + size]
         self.at += size
         return chunk
@@ -76,31 +68,157 @@ class _Walk:
     def number(self, size: int) -> int:
         return int.from_bytes(self.take(size), "little")
 
-    def value(self, kind: int) -> None:
+    def text(self, what: str) -> str:
+        """A length-prefixed UTF-8 string (a key or a tensor name)."""
+        at = self.at
+        raw = self.take(self.number(8))
+        try:
+            return raw.decode("utf-8")
+        except UnicodeDecodeError:
+            raise self.bad(f"{what} {raw[:64]!r} is not UTF-8", at) from None
+
+    def value(self, kind: int) -> bytes | None:
+        """Skips a value of type ``kind``; returns the bytes of a scalar."""
         if kind in SCALAR_BYTES:
-            self.take(SCALAR_BYTES[kind])
-        elif kind == STRING:
+            return self.take(SCALAR_BYTES[kind])
+        if kind == STRING:
             self.take(self.number(8))
         elif kind == ARRAY:
             item, count = self.number(4), self.number(8)
             least = SCALAR_BYTES.get(item, 8 if item == STRING else 12)
-            if count * least > len(self.data) - self.at:
+            if count * least > self.left():
                 raise self.bad(f"an array of {count} items does not fit")
             for _ in range(count):
                 self.value(item)
         else:
             raise self.bad(f"unknown value type {kind}")
+        return None
 
 
-def _check_counts(path: Path, header: bytes, file_size: int) -> None:
+def _walk_header(path: Path, header: bytes) -> tuple[list[_TensorInfo], int, int]:
+    """The tensor infos, the alignment and where the data section starts."""
     if len(header) < 24 or header[:4] != b"GGUF":
         raise ValueError(f"{path}: not a readable GGUF file: no GGUF magic and counts")
     walk = _Walk(path, header)
-    walk.take(8)
+    walk.take(4)
+    version = walk.number(4)
+    if version not in VERSIONS:
+        # A big-endian file's version reads as 2 or 3 shifted left by 24 bits
+        # here (the reader would read it, byte-swapped); its rows are
+        # big-endian too, which ple does not decode.
+        endian = " (a big-endian file?)" if version in (2 << 24, 3 << 24) else ""
+        raise walk.bad(f"version {version}{endian}; ple reads little-endian GGUF versions "
+                       f"{' and '.join(map(str, VERSIONS))}", 4)
     tensors, pairs = walk.number(8), walk.number(8)
-    if tensors * MIN_TENSOR_INFO_BYTES + pairs * (8 + 4 + 1) > file_size:
+    if tensors * MIN_TENSOR_INFO_BYTES + pairs * MIN_KV_BYTES > len(header):
         raise ValueError(f"{path}: not a readable GGUF file: {tensors} tensors and {pairs} "
-                         f"key-value pairs cannot fit in {file_size} bytes")
+                         f"key-value pairs cannot fit in {len(header)} bytes")
+    keys = set(RESERVED_KEYS)
+    alignment = DEFAULT_ALIGNMENT
     for _ in range(pairs):
-        walk.take(walk.number(8))  # the key
-        walk.value(walk.number(4))
+        at = walk.at
+        key = walk.text("a key")
+        if key in keys:
+            raise walk.bad(f"key {key!r} appears twice" if key not in RESERVED_KEYS
+                           else f"key {key!r} is a name the gguf reader keeps for itself",
+                           at)
+        keys.add(key)
+        kind = walk.number(4)
+        value = walk.value(kind)
+        if key == "general.alignment":
+            if kind != UINT32:
+                raise walk.bad(f"general.alignment is of value type {kind}, not UINT32 "
+                               f"({UINT32})", at)
+            alignment = int.from_bytes(value, "little")
+            if alignment == 0 or alignment & (alignment - 1):
+                raise walk.bad(f"general.alignment {alignment} is not a power of two", at)
+    infos, names = [], set()
+    for index in range(tensors):
+        at = walk.at
+        name = walk.text(f"the name of tensor {index}")
+        if name in names:
+            raise walk.bad(f"tensor {name!r} appears twice", at)
+        names.add(name)
+        n_dims = walk.number(4)
+        if n_dims > MAX_DIMS:
+            raise walk.bad(f"tensor {name!r} has {n_dims} dimensions, GGUF allows at most "
+                           f"{MAX_DIMS}", walk.at - 4)
+        dims = tuple(walk.number(8) for _ in range(n_dims))
+        ggml_type, offset = walk.number(4), walk.number(8)
+        infos.append(_TensorInfo(name, dims, ggml_type, offset, at))
+    data_start = walk.at + -walk.at % alignment
+    return infos, alignment, data_start
+
+
+def _entry(path: Path, info: _TensorInfo, alignment: int, data_start: int,
+           file_size: int) -> TensorEntry:
+    """A tensor info checked against the GGML rules and the file."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    def bad(why: str) -> ValueError:
+        return ValueError(f"{path}: tensor {info.name!r} (info at byte {info.at}): {why}")
+
+    try:
+        ggml_type = GGMLQuantizationType(info.ggml_type)
+    except ValueError:
+        raise bad(f"unknown GGML type {info.ggml_type}") from None
+    if any(d > INT64_MAX for d in info.dims):
+        raise bad(f"dimensions {list(info.dims)} are negative as int64")
+    if ggml_type not in GGML_QUANT_SIZES:
+        raise bad(f"GGML type {ggml_type.name} has no known block size")
+    block, block_bytes = GGML_QUANT_SIZES[ggml_type]
+    row = info.dims[0] if info.dims else 1
+    if row % block:
+        raise bad(f"a row of {row} values is not a whole number of {ggml_type.name} blocks "
+                  f"of {block}")
+    # Zero dimensions counted as one: numpy (the reader) shapes even an empty
+    # tensor only when its other dimensions' bytes fit in int64.
+    elements = extent = 1
+    for d in info.dims:
+        elements, extent = elements * d, extent * max(d, 1)
+    if extent // block * block_bytes > INT64_MAX:
+        raise bad(f"{ggml_type.name} dimensions {list(info.dims)} span more bytes than int64 "
+                  f"counts")
+    nbytes = elements // block * block_bytes
+    if info.offset % alignment:
+        raise bad(f"data offset {info.offset} is not a multiple of the alignment {alignment}")
+    begin = data_start + info.offset
+    if begin + nbytes > file_size:
+        raise bad(f"data (bytes {begin} to {begin + nbytes}) runs past the end of the file "
+                  f"({file_size} bytes)")
+    return TensorEntry(path, info.name, ggml_type.name, tuple(reversed(info.dims)), begin, nbytes)
+
+
+def read_gguf_tensors(path: Path) -> dict[str, TensorEntry]:
+    """The tensors of one GGUF file by name, shapes in row-major order (rows
+    first) and dtype the GGML type's name.  Raises OSError when the file cannot
+    be read and ValueError, naming the file (and the tensor), when it is not a
+    valid GGUF file."""
+    from gguf import GGUFReader
+
+    file_size = os.stat(path).st_size  # OSError for a missing or unreadable file
+    with open(path, "rb") as f:
+        if file_size < 24:
+            raise ValueError(f"{path}: not a readable GGUF file: {file_size} bytes")
+        # Mapped, not read: the walk touches the header's pages only.
+        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as header:
+            infos, alignment, data_start = _walk_header(path, header)
+    entries = {info.name: _entry(path, info, alignment, data_start, file_size) for info in infos}
+    try:
+        reader = GGUFReader(path)
+        tensors = list(reader.tensors)
+        reader_start = int(reader.data_offset)
+    except OSError:
+        raise
+    except Exception as error:  # the reader's errors on corrupt input are of many kinds
+        raise ValueError(f"{path}: not a readable GGUF file: {error}") from None
+    # The walk and the reader must read the same tensors at the same places.
+    read = {t.name: (int(t.tensor_type), tuple(int(d) for d in reversed(t.shape.tolist())),
+                     reader_start + int(t.field.parts[-1][0])) for t in tensors}
+    walked = {info.name: (info.ggml_type, entries[info.name].shape, entries[info.name].offset)
+              for info in infos}
+    if read != walked:
+        differ = sorted(set(read) ^ set(walked) | {n for n in read if read[n] != walked.get(n)})
+        raise ValueError(f"{path}: not a readable GGUF file: the gguf reader reads tensors "
+                         f"{differ[:8]} differently (reader: data at byte {reader_start})")
+    return entries
