@@ -1,2 +1,8 @@
-"""torch.nn modules over disk tables (the n-gram and packed GGUF embeddings
-arrive with the layers issue)."""
+"""torch.nn modules over disk tables: the hashed n-gram embedding of a PLE
+model, a packed GGUF token embedding, and their row split across ranks."""
+
+from .ngram_embedding import NGramEmbedding
+from .ngram_ids import NGramHashing
+from .packed_gguf_embedding import PackedGGUFEmbedding
+
+__all__ = ["NGramEmbedding", "NGramHashing", "PackedGGUFEmbedding"]
