@@ -92,6 +92,17 @@ class ResidencyProbe {
   std::vector<unsigned char> vec_;
 };
 
+// A warm request is copied without asking mincore: when the first
+// kWarmSamplePages pages of a chunk are all resident, its rows are copied
+// kWarmBatchRows at a time for as long as the thread takes no major fault
+// (one getrusage per batch, not one mincore per page).
+constexpr size_t kWarmSamplePages = 32;
+constexpr int64_t kWarmBatchRows = 256;
+
+// Rows are far apart, so each copy waits on a page-table walk and a cache
+// miss; prefetching the rows this far ahead overlaps those waits.
+constexpr int64_t kPrefetchRowsAhead = 12;
+
 uint64_t thread_major_faults() {
   struct rusage usage;
   ::getrusage(RUSAGE_THREAD, &usage);
@@ -136,7 +147,7 @@ class ChunkGather {
     } else if (config_.policy == Policy::kAll) {
       advise_all();
     } else {
-      advise_ahead();
+      advise_ahead(copy_while_warm());
     }
     ::getrusage(RUSAGE_THREAD, &after);
     counters_.unique_pages = pages_.size();
@@ -184,15 +195,37 @@ class ChunkGather {
     for (int64_t k = 0; k < n_; ++k) copy_row(k);
   }
 
+  // Copies rows from the first while the chunk looks warm (see
+  // kWarmSamplePages); returns the first row not copied.  Pages of batches
+  // that took no major fault count as resident.
+  int64_t copy_while_warm() {
+    for (size_t i = 0; i < std::min(pages_.size(), kWarmSamplePages); ++i) {
+      if (!residency_->resident(i)) return 0;
+    }
+    int64_t k = 0;
+    while (k < n_) {
+      const int64_t end = std::min(n_, k + kWarmBatchRows);
+      const uint64_t before = thread_major_faults();
+      for (; k < end; ++k) copy_row(k);
+      const size_t past = last_page(end - 1) + 1;
+      if (thread_major_faults() != before) break;
+      counters_.resident_pages += past - copied_pages_;
+      copied_pages_ = past;
+    }
+    copied_pages_ = k > 0 ? last_page(k - 1) + 1 : 0;
+    return k;
+  }
+
   // "window": advice while the advised-not-yet-copied bytes stay within the
   // budget.  "distance": advice for pages less than the window ahead of the
-  // copy address, however many that is.
-  void advise_ahead() {
+  // copy address, however many that is.  From row `first` on; the pages
+  // before copied_pages_ are done.
+  void advise_ahead(int64_t first) {
     const bool by_budget = config_.policy == Policy::kWindow;
     const uint64_t window = config_.window_bytes;
-    size_t next = 0;     // first page not yet considered
-    size_t retired = 0;  // pages before this one have been copied
-    for (int64_t k = 0; k < n_; ++k) {
+    size_t next = copied_pages_;     // first page not yet considered
+    size_t retired = copied_pages_;  // pages before this one have been copied
+    for (int64_t k = first; k < n_; ++k) {
       for (; retired < first_page_[k]; ++retired) {
         if (state_[retired] >= kAdvised) advised_ahead_ -= kPage;
       }
@@ -212,6 +245,16 @@ class ChunkGather {
     }
   }
 
+  // A prefetch of an address whose page is not mapped is dropped: it never faults.
+  void prefetch_row(const RowRef& row) const {
+    const auto* src = reinterpret_cast<const char*>(row.address);
+    const uint8_t* dst = out_ + row.position * row_bytes_;
+    __builtin_prefetch(src);
+    __builtin_prefetch(src + row_bytes_ - 1);
+    __builtin_prefetch(dst, 1);
+    __builtin_prefetch(dst + row_bytes_ - 1, 1);
+  }
+
   size_t last_page(int64_t k) const {
     return first_page_[k] + ((rows_[k].address & (kPage - 1)) + row_bytes_ - 1) / kPage;
   }
@@ -228,6 +271,7 @@ class ChunkGather {
       all_considered &= state_[i] != kUnseen;
       if (state_[i] == kAdvised) state_[i] = kAdvisedCopied;
     }
+    if (k + kPrefetchRowsAhead < n_) prefetch_row(rows_[k + kPrefetchRowsAhead]);
     uint8_t* dst = out_ + rows_[k].position * row_bytes_;
     const void* src = reinterpret_cast<const void*>(rows_[k].address);
     const bool count_evictions = watch && all_considered;
@@ -246,6 +290,7 @@ class ChunkGather {
   std::vector<uint8_t> state_;
   std::unique_ptr<ResidencyProbe> residency_;
   uint64_t advised_ahead_ = 0;
+  size_t copied_pages_ = 0;  // the pages before this one were copied while warm
   ChunkCounters counters_;
 };
 
@@ -319,23 +364,29 @@ bool address_order(const RowRef& a, const RowRef& b) {
 }
 
 // Sorts rows by address with `parts` threads: each slice of the request is
-// dealt into address buckets, then each thread sorts a run of buckets.
+// dealt into address buckets (a shift of the address, no division), then each
+// thread sorts the buckets of its run one by one.  With about
+// kRowsPerBucket rows in a bucket the sorts are short.
+constexpr int64_t kRowsPerBucket = 32;
+
 void sort_by_address(std::vector<RowRef>& rows, int parts) {
-  if (parts <= 1) {
+  const int64_t n = rows.size();
+  if (n < 4 * kRowsPerBucket) {
     std::sort(rows.begin(), rows.end(), address_order);
     return;
   }
-  const int64_t n = rows.size();
-  const int buckets = parts * 8;
   uintptr_t lo = UINTPTR_MAX, hi = 0;
   for (const RowRef& row : rows) {
     lo = std::min(lo, row.address);
     hi = std::max(hi, row.address);
   }
-  const unsigned __int128 span = static_cast<unsigned __int128>(hi - lo) + 1;
-  auto bucket_of = [&](uintptr_t address) {
-    return static_cast<int>(static_cast<unsigned __int128>(address - lo) * buckets / span);
-  };
+  // The smallest shift that leaves at most about n / kRowsPerBucket buckets.
+  const int wanted_bits = 64 - __builtin_clzll(static_cast<uint64_t>(n / kRowsPerBucket));
+  const int span_bits = hi == lo ? 0 : 64 - __builtin_clzll(static_cast<uint64_t>(hi - lo));
+  const int shift = std::max(0, span_bits - wanted_bits);
+  const int64_t buckets = static_cast<int64_t>((hi - lo) >> shift) + 1;
+  auto bucket_of = [&](uintptr_t address) { return static_cast<int64_t>((address - lo) >> shift); };
+
   std::vector<int64_t> slots(static_cast<size_t>(parts) * buckets, 0);  // [part][bucket]
   run_parallel(parts, [&](int p) {
     for (int64_t i = slice_begin(n, parts, p); i < slice_begin(n, parts, p + 1); ++i) {
@@ -344,7 +395,7 @@ void sort_by_address(std::vector<RowRef>& rows, int parts) {
   });
   std::vector<int64_t> bucket_begin(buckets + 1);
   int64_t total = 0;
-  for (int b = 0; b < buckets; ++b) {
+  for (int64_t b = 0; b < buckets; ++b) {
     bucket_begin[b] = total;
     for (int p = 0; p < parts; ++p) {
       const int64_t count = slots[p * buckets + b];
@@ -360,16 +411,10 @@ void sort_by_address(std::vector<RowRef>& rows, int parts) {
       dealt[next[bucket_of(rows[i].address)]++] = rows[i];
     }
   });
-  std::vector<int> first_bucket{0};
-  for (int p = 1; p < parts; ++p) {
-    int b = first_bucket.back();
-    while (b < buckets && bucket_begin[b] < slice_begin(n, parts, p)) ++b;
-    first_bucket.push_back(b);
-  }
-  first_bucket.push_back(buckets);
   run_parallel(parts, [&](int p) {
-    std::sort(dealt.begin() + bucket_begin[first_bucket[p]],
-              dealt.begin() + bucket_begin[first_bucket[p + 1]], address_order);
+    for (int64_t b = buckets * p / parts; b < buckets * (p + 1) / parts; ++b) {
+      std::sort(dealt.begin() + bucket_begin[b], dealt.begin() + bucket_begin[b + 1], address_order);
+    }
   });
   rows.swap(dealt);
 }

@@ -327,6 +327,26 @@ def test_window_bounds_advice_ahead_cold(big, window, threads):
     assert s["major_faults"] == 0 and s["evicted_before_copy"] == 0
 
 
+@pytest.mark.parametrize("policy", ["window", "distance"])
+def test_warm_start_then_cold_pages_hand_over_to_the_window(big, policy):
+    """A chunk whose first pages are resident is copied without mincore until
+    a batch of rows takes a major fault; the rest is then read with advice.
+    ``big`` is one tensor in one file, so addresses ascend with ids."""
+    table = big.table
+    table.config = GatherConfig(policy, 64, 1)
+    warm = np.arange(0, 4000, dtype=np.int64)
+    cold = np.random.default_rng(3).integers(10000, BIG_ROWS, 2000, dtype=np.int64)
+    table.drop_page_cache()
+    _gather(big, warm)
+    table.reset_stats()
+    ids = np.concatenate([cold, warm])
+    assert np.array_equal(_gather(big, ids), big.reference[ids])
+    s = table.stats()
+    assert s["advised_pages"] > 0, "the cold rows were not handed to the window"
+    assert s["resident_pages"] >= big.expected_pages(warm[:256]) - 1
+    assert s["advised_pages"] + s["resident_pages"] <= s["unique_pages"]
+
+
 @pytest.mark.parametrize("policy,window", [("window", 4), ("window", 64), ("distance", 4),
                                            ("all", 4)])
 def test_cold_table_reports_no_resident_pages(big, policy, window):
