@@ -3,11 +3,15 @@
     pip install --no-build-isolation .
 """
 
+import sys
 from glob import glob
 
 import torch
 from setuptools import setup
 from torch.utils.cpp_extension import BuildExtension, CppExtension
+
+sys.path.insert(0, "kernels")
+from build_flags import LIBRARIES, compile_args  # noqa: E402  (ple is not installed yet)
 
 # kernels/native.py compiles the same files when the built module does not fit.
 SOURCES = sorted(glob("kernels/*.cpp"))
@@ -22,8 +26,8 @@ setup(
         CppExtension(
             "ple.kernels._C",
             SOURCES,
-            extra_compile_args=["-O3", "-std=c++17", f"-DPLE_TORCH_VERSION={torch.__version__}"],
-            libraries=["dl"],  # host_gather.cpp finds the CUDA driver at run time
+            extra_compile_args=compile_args(torch.__version__),
+            libraries=list(LIBRARIES),
         )
     ],
     cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},

@@ -34,7 +34,7 @@ import triton
 import triton.language as tl
 
 from ple.formats import BLOCK_FORMATS, RowFormat
-from ple.kernels.decode_triton import MAX_BLOCK, f32_to_bf16_rne
+from ple.kernels.decode_triton import check_and_grid, f32_to_bf16_rne
 
 # IQ4_NL's 16 non-linear levels (gguf.quants.IQ4_NL.kvalues), as int8 bytes packed
 # little-endian into two int64 words, levels 0-7 and 8-15: a lane picks its level
@@ -164,22 +164,12 @@ def decode_blocks_triton(staged: torch.Tensor, fmt: RowFormat, scale: float, out
     ``status``: an int32 word; when it is nonzero at run time every value is NaN."""
     if fmt.name not in FORMAT_NAMES:
         raise ValueError(f"no Triton block decoder for row format {fmt.name!r}")
-    if out.dtype not in (torch.float32, torch.float16, torch.bfloat16):
-        raise ValueError(f"unsupported output dtype {out.dtype}")
-    if staged.dtype != torch.uint8 or staged.dim() != 2 or not staged.is_contiguous():
-        raise ValueError("staged must be a contiguous uint8 [n, row_bytes] tensor")
-    if out.dim() != 2 or not out.is_contiguous():
-        raise ValueError("out must be a contiguous [n, cols] tensor")
-    n, row_bytes = staged.shape
-    cols = out.shape[1]
-    if out.shape[0] != n or cols % fmt.block_size or row_bytes != fmt.row_bytes(cols):
-        raise ValueError(f"staged {tuple(staged.shape)} does not hold {fmt.name} rows of out {tuple(out.shape)}")
-    if n == 0 or cols == 0:
+    block, grid = check_and_grid(staged, fmt, out)
+    if 0 in grid:
         return out
-    block = min(MAX_BLOCK, triton.next_power_of_2(cols))
-    grid = (n, triton.cdiv(cols, block))  # rows on axis 0 (up to 2^31 - 1), column blocks on axis 1 (<= 65535)
     if status is None:
         status = torch.zeros(1, dtype=torch.int32, device=staged.device)
-    decode_blocks_kernel[grid](staged, status, out, cols, row_bytes, FMT=fmt.name, QK=fmt.block_size,
-                               BB=fmt.block_bytes, BLOCK=block, **LAUNCH_OPTIONS)
+    decode_blocks_kernel[grid](staged, status, out, out.shape[1], staged.shape[1], FMT=fmt.name,
+                               QK=fmt.block_size, BB=fmt.block_bytes, BLOCK=block,
+                               **LAUNCH_OPTIONS)
     return out

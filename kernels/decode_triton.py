@@ -100,13 +100,12 @@ FORMAT_NAMES = ("f32", "f16", "bf16", "fp8_e4m3fn", "u8", "i8")
 MAX_BLOCK = 1024
 
 
-def decode_rows_triton(staged: torch.Tensor, fmt: RowFormat, scale: float, out: torch.Tensor,
-                       status: torch.Tensor | None = None) -> torch.Tensor:
-    """Decode staged row ``i`` (uint8 ``[n, row_bytes]``, contiguous) into
-    ``out[i]`` (``[n, cols]`` float32/float16/bfloat16, contiguous); returns ``out``.
-    ``status``: an int32 word; when it is nonzero at run time every value is NaN."""
-    if fmt.name not in FORMAT_NAMES:
-        raise ValueError(f"no Triton decoder for row format {fmt.name!r}")
+def check_and_grid(staged: torch.Tensor, fmt: RowFormat, out: torch.Tensor
+                   ) -> tuple[int, tuple[int, int]]:
+    """Checks that ``staged`` (contiguous uint8 ``[n, row_bytes]``) holds
+    ``fmt`` rows of ``out`` (contiguous ``[n, cols]`` float32/float16/
+    bfloat16); returns the column block and the grid of a row decoder
+    (the grid is empty when there is nothing to decode)."""
     if out.dtype not in (torch.float32, torch.float16, torch.bfloat16):
         raise ValueError(f"unsupported output dtype {out.dtype}")
     if staged.dtype != torch.uint8 or staged.dim() != 2 or not staged.is_contiguous():
@@ -115,14 +114,26 @@ def decode_rows_triton(staged: torch.Tensor, fmt: RowFormat, scale: float, out: 
         raise ValueError("out must be a contiguous [n, cols] tensor")
     n, row_bytes = staged.shape
     cols = out.shape[1]
-    if out.shape[0] != n or row_bytes != cols * fmt.itemsize:
+    whole_blocks = not fmt.is_block or cols % fmt.block_size == 0
+    if out.shape[0] != n or not whole_blocks or row_bytes != fmt.row_bytes(cols):
         raise ValueError(f"staged {tuple(staged.shape)} does not hold {fmt.name} rows of out {tuple(out.shape)}")
-    if n == 0 or cols == 0:
+    block = min(MAX_BLOCK, triton.next_power_of_2(max(cols, 1)))
+    # Rows on axis 0 (up to 2^31 - 1), column blocks on axis 1 (<= 65535).
+    return block, (n, triton.cdiv(cols, block))
+
+
+def decode_rows_triton(staged: torch.Tensor, fmt: RowFormat, scale: float, out: torch.Tensor,
+                       status: torch.Tensor | None = None) -> torch.Tensor:
+    """Decode staged row ``i`` (uint8 ``[n, row_bytes]``, contiguous) into
+    ``out[i]`` (``[n, cols]`` float32/float16/bfloat16, contiguous); returns ``out``.
+    ``status``: an int32 word; when it is nonzero at run time every value is NaN."""
+    if fmt.name not in FORMAT_NAMES:
+        raise ValueError(f"no Triton decoder for row format {fmt.name!r}")
+    block, grid = check_and_grid(staged, fmt, out)
+    if 0 in grid:
         return out
-    block = min(MAX_BLOCK, triton.next_power_of_2(cols))
-    grid = (n, triton.cdiv(cols, block))  # rows on axis 0 (up to 2^31 - 1), column blocks on axis 1 (<= 65535)
     if status is None:
         status = torch.zeros(1, dtype=torch.int32, device=staged.device)
-    decode_rows_kernel[grid](staged, status, out, cols, row_bytes, float(scale), FMT=fmt.name,
-                             BLOCK=block)
+    decode_rows_kernel[grid](staged, status, out, out.shape[1], staged.shape[1], float(scale),
+                             FMT=fmt.name, BLOCK=block)
     return out

@@ -9,15 +9,11 @@ from pathlib import Path
 
 import torch
 
+from .build_flags import LIBRARIES, compile_args
+
 log = logging.getLogger("ple")
 
 SOURCE_DIR = Path(__file__).resolve().parent
-COMPILE_ARGS = ("-O3", "-std=c++17")
-
-
-def version_define(torch_version: str) -> str:
-    """The compiler flag that records which torch a build is for."""
-    return f"-DPLE_TORCH_VERSION={torch_version}"
 
 
 def _prebuilt():
@@ -46,8 +42,8 @@ def _compile_now():
     return cpp_extension.load(
         name=f"ple_native_{tag}",
         sources=[str(path) for path in sorted(SOURCE_DIR.glob("*.cpp"))],
-        extra_cflags=[*COMPILE_ARGS, version_define(torch.__version__)],
-        extra_ldflags=["-ldl"],
+        extra_cflags=compile_args(torch.__version__),
+        extra_ldflags=[f"-l{library}" for library in LIBRARIES],
         build_directory=str(build_dir),
         verbose=False,
     )

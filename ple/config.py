@@ -47,6 +47,17 @@ class GatherConfig:
             if value < least:
                 raise ValueError(f"{name} must be at least {least}, got {value}")
 
+    @classmethod
+    def from_spec(cls, spec: str, **fields) -> "GatherConfig":
+        """A config from ``"policy"`` or ``"policy:KiB"`` (the benchmarks'
+        arm names, e.g. ``"window:4096"``); other fields as keywords."""
+        policy, _, kib = spec.partition(":")
+        if kib and not kib.isdigit():
+            raise ValueError(f"bad gather spec {spec!r}: expected policy or policy:KiB")
+        if kib:
+            fields["prefetch_window_kib"] = int(kib)
+        return cls(policy=policy, **fields)
+
     def compute_hash(self) -> str:
         """A hash of the fields that can change results (none of the I/O fields),
         for callers that key compiled artifacts or caches on the config."""

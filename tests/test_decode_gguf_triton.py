@@ -240,7 +240,8 @@ COMPILE_SCRIPT = r"""
 import json, sys, triton
 from triton.backends.compiler import GPUTarget
 from ple.formats import BLOCK_FORMATS
-from ple.kernels.decode_gguf_triton import decode_blocks_kernel, LAUNCH_OPTIONS, MAX_BLOCK
+from ple.kernels.decode_gguf_triton import decode_blocks_kernel, LAUNCH_OPTIONS
+from ple.kernels.decode_triton import MAX_BLOCK
 assert type(decode_blocks_kernel).__name__ == "JITFunction"
 
 def build(cc, name, out, options):

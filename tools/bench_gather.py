@@ -143,11 +143,7 @@ def new_record(arm: str, state: str) -> dict:
 
 def run_gather_arm(table: ple.Table, layout: Layout, arm: str, requests, state: str,
                    drop: str, threads: int | None) -> dict:
-    kind, kib = arm_kind(arm)
-    kwargs = {"policy": kind, "prefetch_window_kib": kib if kib is not None else 4096}
-    if threads:
-        kwargs["threads"] = threads
-    table.config = ple.GatherConfig(**kwargs)
+    table.config = ple.GatherConfig.from_spec(arm, **({"threads": threads} if threads else {}))
     out = torch.empty((len(requests[0]), layout.row_bytes), dtype=torch.uint8)
     out.fill_(0)  # fault the output buffer in outside the timed calls
     record = new_record(arm, state)

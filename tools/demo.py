@@ -31,13 +31,8 @@ def disk_read_bytes() -> int:
         return next(int(line.split()[1]) for line in f if line.startswith("read_bytes"))
 
 
-def config_for(arm: str) -> ple.GatherConfig:
-    policy, _, kib = arm.partition(":")
-    return ple.GatherConfig(policy=policy, prefetch_window_kib=int(kib or 4096))
-
-
 def run_arm(table: ple.Table, arm: str, requests: list[torch.Tensor], cold: bool) -> dict:
-    table.config = config_for(arm)
+    table.config = ple.GatherConfig.from_spec(arm)
     table.reset_stats()
     digest = hashlib.sha256()
     times, read = [], 0
