@@ -642,6 +642,15 @@ def test_config_window_zero_ok():
     assert GatherConfig(prefetch_window_kib=0).prefetch_window_kib == 0
 
 
+def test_config_from_spec():
+    assert GatherConfig.from_spec("window:64", threads=3) == GatherConfig("window", 64, 3)
+    assert GatherConfig.from_spec("none").prefetch_window_kib == GatherConfig().prefetch_window_kib
+    with pytest.raises(ValueError, match="bad gather spec 'window:4k'"):
+        GatherConfig.from_spec("window:4k")
+    with pytest.raises(ValueError, match="unknown prefetch policy 'fast'"):
+        GatherConfig.from_spec("fast:64")
+
+
 def test_config_hash_ignores_io_fields():
     base = GatherConfig().compute_hash()
     assert isinstance(base, str) and base
