@@ -21,12 +21,11 @@ Nothing here runs on a GPU.
 TRITON_INTERPRET is read when ``@triton.jit`` decorates a function, so the
 interpreted copies of the kernel module and of the module it imports its bf16
 rounding from (kernels/decode_triton.py) are loaded privately with the variable
-set for this module's tests only, and it is restored afterwards.
+set for the load only (helpers.load_interpreted).
 """
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import re
@@ -42,6 +41,7 @@ triton = pytest.importorskip("triton")
 gguf = pytest.importorskip("gguf")
 from gguf import GGMLQuantizationType  # noqa: E402
 from gguf.quants import dequantize, quantize  # noqa: E402
+from helpers import load_interpreted  # noqa: E402
 
 import ple.kernels  # noqa: E402
 from ple.formats import BLOCK_FORMATS, FORMATS, OUTPUT_DTYPES  # noqa: E402
@@ -63,41 +63,15 @@ def dtype_id(d: torch.dtype) -> str:
     return str(d).removeprefix("torch.")
 
 
-def _load_private(name: str, path: Path):
-    spec = importlib.util.spec_from_file_location(name, path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 @pytest.fixture(scope="module")
 def interp():
-    """The kernel module, loaded under a private name with TRITON_INTERPRET=1
-    (kept set while this module's tests run).  Its ``from ple.kernels.decode_triton
-    import ...`` must get interpreted functions too, so an interpreted copy of
-    that module stands in sys.modules while it loads."""
-    old = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"
-    dep = "ple.kernels.decode_triton"
-    old_dep = sys.modules.get(dep)
-    try:
-        sys.modules[dep] = _load_private("_ple_decode_triton_interpreted_for_gguf",
-                                         KERNELS / "decode_triton.py")
-        try:
-            mod = _load_private("_ple_decode_gguf_triton_interpreted", KERNELS / "decode_gguf_triton.py")
-        finally:
-            if old_dep is None:
-                sys.modules.pop(dep, None)
-            else:
-                sys.modules[dep] = old_dep
-        assert type(mod.decode_blocks_kernel).__name__ == "InterpretedFunction"
-        assert type(mod.f32_to_bf16_rne).__name__ == "InterpretedFunction"
-        yield mod
-    finally:
-        if old is None:
-            os.environ.pop("TRITON_INTERPRET", None)
-        else:
-            os.environ["TRITON_INTERPRET"] = old
+    """The kernel module with its kernels interpreted (helpers.load_interpreted);
+    its ``from ple.kernels.decode_triton import ...`` gets interpreted functions too."""
+    mod = load_interpreted(KERNELS / "decode_gguf_triton.py",
+                           {"ple.kernels.decode_triton": KERNELS / "decode_triton.py"})
+    assert type(mod.decode_blocks_kernel).__name__ == "InterpretedFunction"
+    assert type(mod.f32_to_bf16_rne).__name__ == "InterpretedFunction"
+    return mod
 
 
 # --- staged blocks ----------------------------------------------------------------

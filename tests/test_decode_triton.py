@@ -8,13 +8,12 @@
 
 TRITON_INTERPRET is read when ``@triton.jit`` decorates a function, so the
 interpreted copy of the kernel module is loaded privately with the variable set
-for this module's tests only; it is restored afterwards so that it does not turn
-other test modules' kernels into interpreted ones.
+for the load only (helpers.load_interpreted): other modules' kernels stay
+compiled.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import os
@@ -32,6 +31,7 @@ import triton.language as tl  # noqa: E402
 import ple.kernels  # noqa: E402
 from ple.formats import FORMATS, OUTPUT_DTYPES  # noqa: E402
 from ple.kernels.decode import decode_rows  # noqa: E402
+from helpers import load_interpreted  # noqa: E402
 
 KERNEL_FILE = Path(ple.kernels.__file__).parent / "decode_triton.py"
 REPO = Path(__file__).resolve().parents[1]
@@ -46,21 +46,10 @@ def dtype_id(d: torch.dtype) -> str:
 
 @pytest.fixture(scope="module")
 def interp():
-    """The kernel module, loaded under a private name with TRITON_INTERPRET=1
-    (kept set while this module's tests run)."""
-    old = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"
-    try:
-        spec = importlib.util.spec_from_file_location("_ple_decode_triton_interpreted", KERNEL_FILE)
-        mod = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(mod)
-        assert type(mod.decode_rows_kernel).__name__ == "InterpretedFunction"
-        yield mod
-    finally:
-        if old is None:
-            os.environ.pop("TRITON_INTERPRET", None)
-        else:
-            os.environ["TRITON_INTERPRET"] = old
+    """The kernel module with its kernels interpreted (helpers.load_interpreted)."""
+    mod = load_interpreted(KERNEL_FILE)
+    assert type(mod.decode_rows_kernel).__name__ == "InterpretedFunction"
+    return mod
 
 
 # --- staged bytes ---------------------------------------------------------------
@@ -171,8 +160,9 @@ def _fp8_probe(src_ptr, dst_ptr, BLOCK: tl.constexpr):
     tl.store(dst_ptr + offs, fp8e4m3fn_bits_to_f32(tl.load(src_ptr + offs)))  # noqa: F821 (set below)
 
 
-def test_fp8_integer_decode_all_patterns(interp):
+def test_fp8_integer_decode_all_patterns(interp, monkeypatch):
     globals()["fp8e4m3fn_bits_to_f32"] = interp.fp8e4m3fn_bits_to_f32
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
     probe = triton.jit(_fp8_probe)  # decorated while TRITON_INTERPRET=1: interpreted
     src = torch.arange(256, dtype=torch.uint8)
     dst = torch.empty(256, dtype=torch.float32)

@@ -11,6 +11,7 @@ import ple
 
 gguf = pytest.importorskip("gguf")
 from gguf import GGMLQuantizationType as Q  # noqa: E402
+from helpers import write_gguf  # noqa: E402
 
 ROWS, COLS = 37, 512  # 2 blocks of 256 per row for the K-quants
 rng = np.random.default_rng(0)
@@ -38,19 +39,6 @@ FORMATS = {"F32": Q.F32, "F16": Q.F16, "BF16": Q.BF16, "Q8_0": Q.Q8_0, "Q4_0": Q
            "IQ4_NL": Q.IQ4_NL, "Q4_K": Q.Q4_K, "Q6_K": Q.Q6_K}
 
 
-def write(path, tensors: dict) -> None:
-    writer = gguf.GGUFWriter(str(path), "test")
-    for name, (data, qtype) in tensors.items():
-        if qtype in (Q.F32, Q.F16):
-            writer.add_tensor(name, data)
-        else:
-            writer.add_tensor(name, data, raw_dtype=qtype)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-
-
 @pytest.fixture(scope="module")
 def gguf_file(tmp_path_factory):
     values = rng.uniform(-3, 3, (ROWS, COLS)).astype(np.float32)
@@ -65,7 +53,7 @@ def gguf_file(tmp_path_factory):
     tensors["vector"] = (np.ones(8, np.float32), Q.F32)
     tensors["Q5_0"] = (gguf.quants.quantize(values, Q.Q5_0), Q.Q5_0)
     path = tmp_path_factory.mktemp("gguf") / "model.gguf"
-    write(path, tensors)
+    write_gguf(path, tensors)
     return path, tensors
 
 
@@ -126,7 +114,7 @@ def test_not_2d(gguf_file):
 def test_row_width_not_whole_blocks(tmp_path):
     path = tmp_path / "odd.gguf"
     data = gguf.quants.quantize(np.ones((4, 64), np.float32), Q.Q8_0)  # 2 blocks per row
-    write(path, {"odd": (data, Q.Q8_0)})
+    write_gguf(path, {"odd": (data, Q.Q8_0)})
     # Patch the tensor's dimensions (ne0 = 64, ne1 = 4, after the name and the
     # u32 dimension count) to 2 rows of 128 + 16 values: the same bytes, but a
     # row that is not a whole number of 32-value blocks.

@@ -13,6 +13,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from helpers import write_gguf
 from ple.layers import NGramEmbedding, NGramHashing, PackedGGUFEmbedding
 
 VOCAB_SIZE, EOS_ID, BASE_SIZE = 3000, 2, 300
@@ -41,16 +42,6 @@ def ngram_checkpoint(tmp_path_factory):
               str(directory / "model-00001.safetensors"))
     save_file(dict(list(shards.items())[2:]), str(directory / "model-00002.safetensors"))
     return directory, raw
-
-
-def write_gguf(path, tensors: dict) -> None:
-    writer = gguf.GGUFWriter(str(path), "test")
-    for name, (data, qtype) in tensors.items():
-        writer.add_tensor(name, data, raw_dtype=qtype)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
 
 
 @pytest.fixture(scope="module")

@@ -2,15 +2,12 @@
 interpreter, on CPU tensors: each row from its tier, hits counted, bad ids and
 failed host gathers flagged.
 
-TRITON_INTERPRET is read when ``@triton.jit`` decorates a function, so the
-kernel module is loaded privately with it set, and it is restored at once:
-the CUDA operator's own copy of the kernel must stay compiled.
+The kernel module is loaded privately with TRITON_INTERPRET set for the load
+only (helpers.load_interpreted): the CUDA operator's own copy stays compiled.
 """
 
 from __future__ import annotations
 
-import importlib.util
-import os
 from pathlib import Path
 
 import numpy as np
@@ -18,6 +15,7 @@ import pytest
 import torch
 
 import ple.kernels
+from helpers import load_interpreted
 
 KERNEL_FILE = Path(ple.kernels.__file__).parent / "tier_rows_triton.py"
 
@@ -25,17 +23,7 @@ KERNEL_FILE = Path(ple.kernels.__file__).parent / "tier_rows_triton.py"
 @pytest.fixture(scope="module")
 def interpreted():
     pytest.importorskip("triton")
-    old = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"
-    try:
-        spec = importlib.util.spec_from_file_location("_ple_tier_rows_interpreted", KERNEL_FILE)
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    finally:
-        if old is None:
-            os.environ.pop("TRITON_INTERPRET", None)
-        else:
-            os.environ["TRITON_INTERPRET"] = old
+    module = load_interpreted(KERNEL_FILE)
     assert type(module.assemble_rows_kernel).__name__ == "InterpretedFunction"
     return module
 
