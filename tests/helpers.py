@@ -1,15 +1,21 @@
-"""What several test modules need: GGUF files written with gguf's writer, and
-Triton kernel modules loaded under the interpreter."""
+"""What several test modules need: GGUF files written with gguf's writer,
+Triton kernel modules loaded under the interpreter, and kernels compiled for
+old GPUs in a subprocess."""
 
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
+import re
+import subprocess
 import sys
 from pathlib import Path
 from types import ModuleType
 
 import gguf
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 def write_gguf(path, tensors: dict) -> None:
@@ -58,3 +64,30 @@ def load_interpreted(path: Path, stand_ins: dict[str, Path] | None = None) -> Mo
             os.environ.pop("TRITON_INTERPRET", None)
         else:
             os.environ["TRITON_INTERPRET"] = old_env
+
+
+def compile_in_subprocess(script: str, args: list, cache_dir: Path) -> dict:
+    """Runs ``script`` (which compiles kernels with ``triton.compile`` and
+    prints a JSON object as its last line) with ``args`` as JSON arguments,
+    in a subprocess: the kernel module must be imported there without
+    TRITON_INTERPRET, and a fresh cache makes it really compile."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(cache_dir)
+    proc = subprocess.run([sys.executable, "-c", script, *(json.dumps(a) for a in args)],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def assert_runs_on_old_gpus(result: dict, cc: int) -> None:
+    """A kernel compiled for sm_``cc``: PTX for that target and an ELF cubin,
+    with no fp8 conversion (SM89+), no bf16 one (the kernels round to bf16
+    with integer operations, the same on every target) and no flush to zero
+    (subnormals must survive)."""
+    assert "error" not in result, result.get("error")
+    ptx = result["ptx"]
+    assert re.search(rf"^\.target sm_{cc}a?\b", ptx, re.MULTILINE)  # Triton targets sm_90a on SM90
+    assert result["cubin_head"] == "7f454c46" and result["cubin_len"] > 0
+    assert not re.search(r"\bcvt\.[\w.]*(e4m3|e5m2)", ptx)
+    assert not re.search(r"\bcvt\.[\w.]*bf16", ptx)
+    assert ".ftz" not in ptx
