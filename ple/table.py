@@ -321,6 +321,10 @@ class Table:
         if ids.device.type != "cpu":
             raise ValueError(f"ple: gather_bytes reads ids on the CPU, not {ids.device}")
         shape = (*ids.shape, self.row_bytes)
+        if self.num_rows == 0 and ids.numel():
+            # Before the output is allocated: a table of no rows may claim rows
+            # too wide to allocate, and every id is out of its range anyway.
+            raise IndexError(f"row id {int(ids.reshape(-1)[0])} at position 0 is out of range [0, 0)")
         if out is None:
             out = torch.empty(shape, dtype=torch.uint8)
         elif (out.dtype != torch.uint8 or tuple(out.shape) != shape or out.device.type != "cpu"

@@ -211,3 +211,16 @@ def test_cuda_rows_equal_the_cpu_rows(gguf_file, name, dtype, host_rows):
         values = torch.ops.ple.disk_gather(ids.cuda(), table.handle, dtype)
         ints = {4: torch.int32, 2: torch.int16}[values.element_size()]
         assert torch.equal(values.cpu().view(ints), expected.view(ints))
+
+
+def test_a_table_of_no_rows_of_huge_width_raises_index_error(tmp_path):
+    """Every id is out of range of a table of no rows, however wide its rows
+    claim to be: IndexError before anything (the output) is allocated."""
+    path = tmp_path / "empty.gguf"
+    write_gguf(path, {"wide": (np.zeros((0, 2 ** 40), np.float32), Q.F32),
+                      "data": (np.ones(8, np.float32), Q.F32)})
+    with ple.Table.from_gguf(path, "wide") as table:
+        assert table.num_rows == 0
+        with pytest.raises(IndexError, match=r"row id 3 at position 0 is out of range \[0, 0\)"):
+            table.gather_bytes(torch.tensor([3]))
+        assert table.gather_bytes(torch.tensor([], dtype=torch.int64)).shape == (0, table.row_bytes)
