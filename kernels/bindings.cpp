@@ -82,11 +82,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                                 reinterpret_cast<int32_t*>(status), capturing);
       },
       "Enqueues the gather of pinned ids into pinned staging on a CUDA stream");
-  m.def("register_host_memory", [](uintptr_t data, size_t bytes) {
-    ple::register_host_memory(reinterpret_cast<void*>(data), bytes);
+  m.def("register_host_memory", [](uintptr_t data, size_t bytes, int device) {
+    ple::register_host_memory(reinterpret_cast<void*>(data), bytes, device);
   });
-  m.def("unregister_host_memory", [](uintptr_t data) {
-    ple::unregister_host_memory(reinterpret_cast<void*>(data));
+  m.def("unregister_host_memory", [](uintptr_t data, int device) {
+    ple::unregister_host_memory(reinterpret_cast<void*>(data), device);
   });
   m.def("take_host_error", &ple::take_host_error,
         "The error of a failed host gather of a table on a stream, once");

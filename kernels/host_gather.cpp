@@ -89,15 +89,16 @@ class RelaxedCaptureMode {
 
 // Page-locking needs a current context.  A thread that has not used CUDA yet
 // (a host tier placed before any CUDA call, a table closed from another
-// thread) gets the primary context of device 0, the one torch uses; the
-// memory is registered PORTABLE, so it serves every device.
-void ensure_context() {
+// thread) gets the primary context of `ordinal`, the one torch uses for that
+// device, rather than one on a device the process does not use; the memory
+// is registered PORTABLE, so it serves every device.
+void ensure_context(int ordinal) {
   CUcontext current = nullptr;
   check(driver().ctx_get_current(&current), "cuCtxGetCurrent");
   if (current != nullptr) return;
   int device = 0;
   check(driver().init(0), "cuInit");
-  check(driver().device_get(&device, 0), "cuDeviceGet");
+  check(driver().device_get(&device, ordinal), "cuDeviceGet");
   check(driver().primary_ctx_retain(&current, device), "cuDevicePrimaryCtxRetain");
   check(driver().ctx_set_current(current), "cuCtxSetCurrent");
 }
@@ -143,15 +144,15 @@ void run_job(void* data) {
 
 }  // namespace
 
-void register_host_memory(void* data, size_t bytes) {
-  ensure_context();
+void register_host_memory(void* data, size_t bytes, int device) {
+  ensure_context(device);
   RelaxedCaptureMode relaxed;
   // PORTABLE: pinned for every context; DEVICEMAP: kernels may read it (UVA).
   check(driver().mem_host_register(data, bytes, 0x01 | 0x02), "cuMemHostRegister");
 }
 
-void unregister_host_memory(void* data) {
-  ensure_context();
+void unregister_host_memory(void* data, int device) {
+  ensure_context(device);
   RelaxedCaptureMode relaxed;
   check(driver().mem_host_unregister(data), "cuMemHostUnregister");
 }

@@ -17,9 +17,10 @@ void launch_host_gather(uintptr_t stream, int64_t handle, const int64_t* ids, in
                         int64_t resident_rows, uint8_t* staging, int32_t* status, bool capturing);
 
 // Page-locks host memory for the CUDA operator (also while a graph is being
-// captured, which cudaHostRegister refuses), and undoes it.
-void register_host_memory(void* data, size_t bytes);
-void unregister_host_memory(void* data);
+// captured, which cudaHostRegister refuses), and undoes it.  `device`: whose
+// primary context to use on a thread that has no current context.
+void register_host_memory(void* data, size_t bytes, int device);
+void unregister_host_memory(void* data, int device);
 
 // The error of a failed host gather of this table on this stream, once; ""
 // when there was none.

@@ -25,7 +25,9 @@ class PinnedBuffer:
     def __init__(self, nbytes: int):
         self._map = mmap.mmap(-1, max(PAGE, -(-nbytes // PAGE) * PAGE))
         self.bytes = torch.frombuffer(self._map, dtype=torch.uint8)
-        native.register_host_memory(self.bytes.data_ptr(), self.bytes.numel())
+        # A thread with no CUDA context yet borrows this device's.
+        self.device = torch.cuda.current_device()
+        native.register_host_memory(self.bytes.data_ptr(), self.bytes.numel(), self.device)
         self.captured = False  # used by a CUDA graph: lives until the table closes
 
     @property
@@ -34,7 +36,7 @@ class PinnedBuffer:
 
     def free(self) -> None:
         if self.bytes is not None:
-            native.unregister_host_memory(self.bytes.data_ptr())
+            native.unregister_host_memory(self.bytes.data_ptr(), self.device)
             self.bytes = None
 
 

@@ -37,11 +37,14 @@ class Placement:
         self.host_table: torch.Tensor | None = None
         self._cpu_hits = [0, 0]  # device, host: rows CPU gathers took from the tiers
         self._cpu_hits_lock = threading.Lock()
-        # Made now, not at the first CUDA gather: a tensor first allocated
-        # while torch.compile records a CUDA graph would belong to its pool.
-        self._device_hits = {
-            torch.device("cuda", i): torch.zeros(2, dtype=torch.int64, device=f"cuda:{i}")
-            for i in range(torch.cuda.device_count())}
+        # Made now for the devices in use, not at the first CUDA gather there:
+        # a tensor first allocated while torch.compile records a CUDA graph
+        # would belong to the graph's pool.  (Not on every GPU: that would
+        # start a context on devices this process does not use.)
+        self._device_hits: dict[torch.device, torch.Tensor] = {}
+        if torch.cuda.is_available():
+            for in_use in {device, torch.device("cuda", torch.cuda.current_device())} - {None}:
+                self.hits_on(in_use)
         self.captured = False  # a CUDA graph reads the tiers: they live until the table closes
 
         total = device_rows + host_rows
@@ -94,7 +97,10 @@ class Placement:
 
     def hits_on(self, device: torch.device) -> torch.Tensor:
         """int64 [device, host] counters that CUDA gathers on ``device`` add to."""
-        return self._device_hits[device]
+        hits = self._device_hits.get(device)
+        if hits is None:
+            hits = self._device_hits[device] = torch.zeros(2, dtype=torch.int64, device=device)
+        return hits
 
     def hits(self) -> tuple[int, int]:
         """Rows served by the device and the host tier, every device together."""
