@@ -46,6 +46,10 @@ def disk_gather_cuda(table: Table, ids: torch.Tensor, dtype: torch.dtype) -> tor
         return out
     capturing = torch.cuda.is_current_stream_capturing()
     placement = table.placement
+    if placement is not None and placement.device_rows and placement.device != ids.device:
+        # Another GPU's memory is not readable here without peer access.
+        raise ValueError(f"ple.disk_gather: table {table.name!r} keeps its device tier on "
+                         f"{placement.device}, and the ids are on {ids.device}")
     on_disk = placement is None or placement.resident_rows < table.num_rows
     if on_disk:
         staging.reserve(n, capturing)

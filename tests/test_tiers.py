@@ -257,6 +257,13 @@ def test_cuda_graph_replays_with_tiers(table, device_rows, host_rows):
     torch.cuda.synchronize()
 
 
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
+def test_a_device_tier_serves_only_its_own_gpu(table):
+    table.place(device_rows=100, device="cuda:0")
+    with pytest.raises(ValueError, match="keeps its device tier on cuda:0, and the ids are on cuda:1"):
+        torch.ops.ple.disk_gather(torch.tensor([1], device="cuda:1"), table.handle)
+
+
 @needs_gpu
 def test_compiled_with_tiers(table):
     table.place(device_rows=300, host_rows=900)
