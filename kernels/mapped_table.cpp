@@ -5,6 +5,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 #include <unordered_map>
@@ -12,6 +13,9 @@
 namespace ple {
 
 namespace {
+
+// Prefetches waiting to be taken, at most: each holds its rows.
+constexpr size_t kMaxPendingPrefetches = 4;
 
 std::string errno_text(const std::string& what, const std::string& path) {
   return what + " " + path + ": " + std::strerror(errno);
@@ -132,9 +136,11 @@ MappedTable::MappedTable(const std::vector<std::string>& paths,
 
 MappedTable::~MappedTable() {
   {
-    std::unique_lock<std::mutex> lock(prefetch_.mutex);
-    prefetch_.finished.wait(lock, [&] { return !prefetch_.running; });
+    std::lock_guard<std::mutex> lock(prefetch_.mutex);
+    prefetch_.stopping = true;
   }
+  prefetch_.changed.notify_all();
+  // The gather in progress ends first: it reads the mappings.
   if (prefetch_.worker.joinable()) prefetch_.worker.join();
   for (auto& file : files_) unmap_file(file);
 }
@@ -148,51 +154,83 @@ void MappedTable::gather(const void* ids, bool ids_are_int64, int64_t n, uint8_t
 }
 
 void MappedTable::prefetch(std::vector<int64_t> ids, int64_t resident_rows) {
+  auto request = std::make_shared<PrefetchRequest>();
+  request->rows.resize(ids.size() * row_bytes_);
+  request->ids = std::move(ids);
+  request->resident_rows = resident_rows;
+  {
+    std::lock_guard<std::mutex> lock(prefetch_.mutex);
+    if (!prefetch_.worker.joinable()) prefetch_.worker = std::thread([this] { run_prefetches(); });
+    auto& pending = prefetch_.pending;
+    const auto untaken = [](const auto& queued) { return !queued->taken; };
+    if (static_cast<size_t>(std::count_if(pending.begin(), pending.end(), untaken)) >=
+        kMaxPendingPrefetches) {
+      // A running one finishes unseen: the worker holds it.
+      pending.erase(std::find_if(pending.begin(), pending.end(), untaken));
+    }
+    pending.push_back(std::move(request));
+  }
+  prefetch_.changed.notify_all();
+}
+
+void MappedTable::run_prefetches() {
   std::unique_lock<std::mutex> lock(prefetch_.mutex);
-  prefetch_.finished.wait(lock, [&] { return !prefetch_.running; });
-  if (prefetch_.worker.joinable()) prefetch_.worker.join();  // it has finished
-  prefetch_.ids = std::move(ids);
-  prefetch_.resident_rows = resident_rows;
-  prefetch_.rows.resize(prefetch_.ids.size() * row_bytes_);
-  prefetch_.running = prefetch_.pending = true;
-  prefetch_.error = nullptr;
-  auto work = [this] {
+  for (;;) {
+    std::shared_ptr<PrefetchRequest> next;
+    prefetch_.changed.wait(lock, [&] {
+      for (const auto& request : prefetch_.pending) {
+        if (!request->started) {
+          next = request;
+          break;
+        }
+      }
+      return prefetch_.stopping || next != nullptr;
+    });
+    if (prefetch_.stopping) return;
+    next->started = true;
+    lock.unlock();
     std::exception_ptr error;
     try {
-      gather_rows(*this, prefetch_.ids.data(), true, prefetch_.ids.size(), prefetch_.rows.data(),
-                  prefetch_.resident_rows);
+      gather_rows(*this, next->ids.data(), true, next->ids.size(), next->rows.data(),
+                  next->resident_rows);
     } catch (...) {
       error = std::current_exception();
     }
-    std::lock_guard<std::mutex> done(prefetch_.mutex);
-    prefetch_.error = error;
-    prefetch_.running = false;
-    prefetch_.finished.notify_all();
-  };
-  try {
-    prefetch_.worker = std::thread(work);
-  } catch (...) {
-    prefetch_.running = prefetch_.pending = false;
-    throw;
+    lock.lock();
+    next->error = error;
+    next->done = true;
+    prefetch_.changed.notify_all();
   }
 }
 
 bool MappedTable::take_prefetched(const int64_t* ids, int64_t n, uint8_t* out,
                                   int64_t resident_rows) {
   std::unique_lock<std::mutex> lock(prefetch_.mutex);
-  if (!prefetch_.pending) return false;
-  if (static_cast<int64_t>(prefetch_.ids.size()) != n || prefetch_.resident_rows != resident_rows ||
-      std::memcmp(prefetch_.ids.data(), ids, n * sizeof(int64_t)) != 0) {
-    ++counters_.prefetch_misses;
+  auto& pending = prefetch_.pending;
+  bool others = false;
+  std::shared_ptr<PrefetchRequest> request;
+  for (const auto& queued : pending) {
+    if (queued->taken) continue;
+    if (static_cast<int64_t>(queued->ids.size()) == n && queued->resident_rows == resident_rows &&
+        std::memcmp(queued->ids.data(), ids, n * sizeof(int64_t)) == 0) {
+      request = queued;
+      break;
+    }
+    others = true;
+  }
+  if (request == nullptr) {
+    if (others) ++counters_.prefetch_misses;
     return false;
   }
-  prefetch_.finished.wait(lock, [&] { return !prefetch_.running; });
-  prefetch_.pending = false;
-  if (prefetch_.error) {
+  request->taken = true;  // nobody drops it now: the worker will get to it
+  prefetch_.changed.wait(lock, [&] { return request->done; });
+  pending.erase(std::find(pending.begin(), pending.end(), request));
+  lock.unlock();
+  if (request->error) {
     ++counters_.prefetch_misses;
     return false;  // the caller's own gather raises the error
   }
-  std::memcpy(out, prefetch_.rows.data(), prefetch_.rows.size());
+  std::memcpy(out, request->rows.data(), request->rows.size());
   ++counters_.prefetch_hits;
   return true;
 }

@@ -10,6 +10,7 @@
 #include <atomic>
 #include <condition_variable>
 #include <cstdint>
+#include <deque>
 #include <exception>
 #include <map>
 #include <memory>
@@ -63,16 +64,24 @@ struct GatherCounters {
 };
 
 // A gather started ahead of the operator call that will want its rows.
-struct PrefetchSlot {
-  std::mutex mutex;
-  std::condition_variable finished;
+struct PrefetchRequest {
   std::vector<int64_t> ids;
   int64_t resident_rows = 0;
   std::vector<uint8_t> rows;
-  bool running = false;
-  bool pending = false;  // holds rows nobody has taken yet
+  bool started = false, done = false;
+  bool taken = false;  // a gather waits for it
   std::exception_ptr error;
-  std::thread worker;
+};
+
+// Prefetches not yet taken, gathered in order on a thread of the table's
+// own.  Several may wait: a server enqueues step n's gather on a CUDA stream
+// and prefetches step n + 1 before the stream has reached step n.
+struct PrefetchQueue {
+  std::mutex mutex;
+  std::condition_variable changed;
+  std::deque<std::shared_ptr<PrefetchRequest>> pending;
+  std::thread worker;  // started by the first prefetch
+  bool stopping = false;
 };
 
 class MappedTable {
@@ -111,12 +120,14 @@ class MappedTable {
   void gather(const void* ids, bool ids_are_int64, int64_t n, uint8_t* out,
               int64_t resident_rows);
 
-  // Starts gathering `ids` on a background thread (after any earlier
-  // prefetch has finished); the rows wait for take_prefetched.
+  // Queues the gather of `ids` on the table's prefetch thread, after the
+  // prefetches queued before it; the rows wait for take_prefetched.  Of more
+  // than kMaxPendingPrefetches not taken, the oldest is dropped.
   void prefetch(std::vector<int64_t> ids, int64_t resident_rows);
 
-  // When the pending prefetch is of exactly these ids: waits for it, copies
-  // its rows to `out` and returns true.  Otherwise returns false.
+  // When a pending prefetch is of exactly these ids: waits for it (and for
+  // those queued before it), copies its rows to `out` and returns true.
+  // Otherwise returns false.
   bool take_prefetched(const int64_t* ids, int64_t n, uint8_t* out, int64_t resident_rows);
 
   // Drops this table's pages from the page cache: unmaps them from this
@@ -132,9 +143,11 @@ class MappedTable {
   int64_t row_bytes_ = 0;
   mutable std::mutex config_mutex_;
   GatherConfig config_;
+  void run_prefetches();
+
   GatherCounters counters_;
   RowCache row_cache_;
-  PrefetchSlot prefetch_;
+  PrefetchQueue prefetch_;
 };
 
 // Tables are reached from Python and from operators by an integer handle.  A

@@ -58,3 +58,31 @@ def test_prefetch_rejects_float_ids(table_and_reference):
     table, _ = table_and_reference
     with pytest.raises(TypeError, match="int32 or int64"):
         table.prefetch(torch.zeros(3))
+
+
+def test_several_prefetches_wait_in_order_for_their_gathers(table_and_reference):
+    """A server prefetches step n + 1 before its stream has reached step n's
+    gather: both prefetches must still be there for their gathers."""
+    table, reference = table_and_reference
+    steps = [torch.from_numpy(np.random.default_rng(seed).integers(0, ROWS, 700)) for seed in range(3)]
+    table.reset_stats()
+    for ids in steps:
+        table.prefetch(ids)
+    for ids in steps:
+        rows = torch.ops.ple.disk_gather_bytes(ids, table.handle)
+        assert np.array_equal(rows.numpy(), reference[ids.numpy()])
+    assert (table.stats()["prefetch_hits"], table.stats()["prefetch_misses"]) == (3, 0)
+
+
+def test_the_oldest_of_too_many_prefetches_is_dropped(table_and_reference):
+    table, reference = table_and_reference
+    steps = [torch.arange(seed, seed + 50) for seed in range(5)]  # one more than are kept
+    for ids in steps:
+        table.prefetch(ids)
+    table.reset_stats()
+    for ids in steps:
+        rows = torch.ops.ple.disk_gather_bytes(ids, table.handle)
+        assert np.array_equal(rows.numpy(), reference[ids.numpy()])
+    stats = table.stats()
+    assert stats["prefetch_hits"] == 4
+    assert stats["prefetch_misses"] == 1  # the first gather found only others' prefetches
