@@ -14,8 +14,9 @@ namespace ple {
 
 namespace {
 
-// Prefetches waiting to be taken, at most: each holds its rows.
-constexpr size_t kMaxPendingPrefetches = 4;
+// The rows that prefetches not yet taken may hold: layers of a model that
+// share a table each prefetch their own rows for the next step.
+constexpr uint64_t kMaxPendingPrefetchBytes = 256ull << 20;
 
 std::string errno_text(const std::string& what, const std::string& path) {
   return what + " " + path + ": " + std::strerror(errno);
@@ -162,11 +163,16 @@ void MappedTable::prefetch(std::vector<int64_t> ids, int64_t resident_rows) {
     std::lock_guard<std::mutex> lock(prefetch_.mutex);
     if (!prefetch_.worker.joinable()) prefetch_.worker = std::thread([this] { run_prefetches(); });
     auto& pending = prefetch_.pending;
-    const auto untaken = [](const auto& queued) { return !queued->taken; };
-    if (static_cast<size_t>(std::count_if(pending.begin(), pending.end(), untaken)) >=
-        kMaxPendingPrefetches) {
-      // A running one finishes unseen: the worker holds it.
-      pending.erase(std::find_if(pending.begin(), pending.end(), untaken));
+    uint64_t held = request->rows.size();
+    for (const auto& queued : pending) held += queued->taken ? 0 : queued->rows.size();
+    // Oldest first; a running one finishes unseen (the worker holds it).
+    for (auto it = pending.begin(); held > kMaxPendingPrefetchBytes && it != pending.end();) {
+      if ((*it)->taken) {
+        ++it;
+        continue;
+      }
+      held -= (*it)->rows.size();
+      it = pending.erase(it);
     }
     pending.push_back(std::move(request));
   }

@@ -121,8 +121,9 @@ class MappedTable {
               int64_t resident_rows);
 
   // Queues the gather of `ids` on the table's prefetch thread, after the
-  // prefetches queued before it; the rows wait for take_prefetched.  Of more
-  // than kMaxPendingPrefetches not taken, the oldest is dropped.
+  // prefetches queued before it; the rows wait for take_prefetched.  When the
+  // prefetches not taken would hold more than kMaxPendingPrefetchBytes of
+  // rows, the oldest are dropped (the newest is always kept).
   void prefetch(std::vector<int64_t> ids, int64_t resident_rows);
 
   // When a pending prefetch is of exactly these ids: waits for it (and for
