@@ -1,0 +1,113 @@
+"""What an n-gram PLE layer costs a serving loop on CPU: NGramEmbedding over a
+table on disk, steps of prefill or decode, cold, cold with the next step
+prefetched while this one computes, and warm.
+
+    python tools/bench_layers.py [--table data/bench_table] [--tokens 2048]
+                                 [--steps 8] [--compute-ms 50]
+
+Each step hashes ``--tokens`` random tokens (4 requests, 16 heads each) and
+gathers their rows.  ``forward ms`` is how long ``layer(...)`` blocks the
+step.  In the ``prefetch`` mode, step n + 1's rows are prefetched right after
+step n's forward, and ``--compute-ms`` of sleep stands for the rest of the
+model's step, so the prefetch has that long to read them.  Cold modes drop
+the table's pages first; every mode gathers the same ids and must return the
+same values.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from demo import disk_read_bytes  # noqa: E402
+from make_table import PREFIX, ensure_table  # noqa: E402
+from ple.layers import NGramEmbedding  # noqa: E402
+
+VOCAB_SIZE = 262_144
+EOS_ID = 1
+REQUESTS = 4
+MODES = ("cold", "prefetch", "warm")
+
+
+def make_steps(tokens: int, steps: int, seed: int) -> list[tuple[torch.Tensor, ...]]:
+    generator = torch.Generator().manual_seed(seed)
+    batches = []
+    for _ in range(steps):
+        token_ids = torch.randint(0, VOCAB_SIZE, (tokens,), generator=generator)
+        seq_ids = torch.arange(tokens) * REQUESTS // max(tokens, 1)
+        context = torch.randint(0, VOCAB_SIZE, (REQUESTS, 2), generator=generator)
+        batches.append((token_ids, seq_ids, context))
+    return batches
+
+
+def run_mode(layer: NGramEmbedding, mode: str, steps, compute_ms: float) -> dict:
+    layer.table.reset_stats()
+    if mode != "warm":
+        layer.table.drop_page_cache()
+    read0 = disk_read_bytes()
+    forward_ms, outputs = [], []
+    if mode == "prefetch":
+        layer.prefetch(*steps[0])
+    for n, step in enumerate(steps):
+        start = time.perf_counter()
+        outputs.append(layer(*step))
+        forward_ms.append((time.perf_counter() - start) * 1e3)
+        if mode == "prefetch" and n + 1 < len(steps):
+            layer.prefetch(*steps[n + 1])
+        time.sleep(compute_ms / 1e3)
+    stats = layer.table.stats()
+    return {"mode": mode, "forward_ms": forward_ms, "outputs": outputs,
+            "read_mib": (disk_read_bytes() - read0) / 2**20, "stats": stats}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--table", type=Path, default=Path("data/bench_table"))
+    parser.add_argument("--table-gib", type=float, default=8.0,
+                        help="written when --table holds no table of this size (default 8)")
+    parser.add_argument("--tokens", type=int, default=2048, help="tokens per step (default 2048)")
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--compute-ms", type=float, default=50.0,
+                        help="sleep after each forward, standing for the rest of the step")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+
+    row_bytes = 160
+    num_rows = int(args.table_gib * 2**30) // row_bytes
+    ensure_table(args.table, rows=num_rows, row_bytes=row_bytes)
+    # 16 heads of consecutive primes above base_size must fit in the table.
+    base_size = num_rows // 17
+    layer = NGramEmbedding.from_safetensors(args.table, vocab_size=VOCAB_SIZE, eos_id=EOS_ID,
+                                            layer_id=0, base_size=base_size, tensor=PREFIX,
+                                            dtype=torch.bfloat16)
+    steps = make_steps(args.tokens, args.steps, args.seed)
+    print(f"{layer}\n{args.steps} steps of {args.tokens} tokens ({args.tokens * 16:,} rows), "
+          f"{args.compute_ms:g} ms of compute after each", file=sys.stderr)
+    results = [run_mode(layer, mode, steps, args.compute_ms) for mode in MODES]
+
+    print(f"{'mode':10} {'forward ms median':>18} {'min':>8} {'max':>8} {'read MiB':>9} "
+          f"{'prefetch hits':>14} {'major faults':>13}")
+    for r in results:
+        ms = r["forward_ms"]
+        print(f"{r['mode']:10} {statistics.median(ms):18.2f} {min(ms):8.2f} {max(ms):8.2f} "
+              f"{r['read_mib']:9.1f} {r['stats']['prefetch_hits']:14d} "
+              f"{r['stats']['major_faults']:13d}")
+    reference = results[0]["outputs"]
+    for r in results[1:]:
+        if not all(torch.equal(a.view(torch.int16), b.view(torch.int16))
+                   for a, b in zip(reference, r["outputs"])):
+            print(f"FAIL: mode {r['mode']} returned other values than cold", file=sys.stderr)
+            return 1
+    print("every mode returned the same values", file=sys.stderr)
+    layer.table.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
