@@ -33,8 +33,9 @@ void configure(int64_t handle, const std::string& policy, uint64_t window_bytes,
 
 // ids: contiguous int32/int64 CPU tensor; out: contiguous uint8 CPU tensor of
 // ids.numel() * row_bytes bytes.  The caller (ops/) checks shapes and dtypes,
-// and fills the rows of ids below resident_rows from its tiers.
-void gather(int64_t handle, const torch::Tensor& ids, torch::Tensor& out, int64_t resident_rows) {
+// and fills the rows of ids in [resident_begin, resident_end) from its tiers.
+void gather(int64_t handle, const torch::Tensor& ids, torch::Tensor& out, int64_t resident_begin,
+            int64_t resident_end) {
   TORCH_CHECK(ids.device().is_cpu() && ids.is_contiguous(), "ids must be a contiguous CPU tensor");
   TORCH_CHECK(ids.scalar_type() == torch::kInt64 || ids.scalar_type() == torch::kInt32,
               "ids must be int32 or int64");
@@ -47,17 +48,18 @@ void gather(int64_t handle, const torch::Tensor& ids, torch::Tensor& out, int64_
   uint8_t* out_data = out.data_ptr<uint8_t>();
   const bool is_int64 = ids.scalar_type() == torch::kInt64;
   py::gil_scoped_release no_gil;
-  table->gather(id_data, is_int64, ids.numel(), out_data, resident_rows);
+  table->gather(id_data, is_int64, ids.numel(), out_data, {resident_begin, resident_end});
 }
 
-void prefetch(int64_t handle, const torch::Tensor& ids, int64_t resident_rows) {
+void prefetch(int64_t handle, const torch::Tensor& ids, int64_t resident_begin,
+              int64_t resident_end) {
   TORCH_CHECK(ids.device().is_cpu() && ids.is_contiguous() && ids.scalar_type() == torch::kInt64,
               "prefetch ids must be a contiguous int64 CPU tensor");
   const int64_t* data = ids.data_ptr<int64_t>();
   auto table = table_of(handle);
   std::vector<int64_t> copy(data, data + ids.numel());
   py::gil_scoped_release no_gil;
-  table->prefetch(std::move(copy), resident_rows);
+  table->prefetch(std::move(copy), {resident_begin, resident_end});
 }
 
 }  // namespace
@@ -75,10 +77,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("prefetch", &prefetch, "Starts gathering ids on a background thread for the next gather of them");
   m.def(
       "launch_host_gather",
-      [](uintptr_t stream, int64_t handle, uintptr_t ids, int64_t n, int64_t resident_rows,
-         uintptr_t staging, uintptr_t status, bool capturing) {
+      [](uintptr_t stream, int64_t handle, uintptr_t ids, int64_t n, int64_t resident_begin,
+         int64_t resident_end, uintptr_t staging, uintptr_t status, bool capturing) {
         ple::launch_host_gather(stream, handle, reinterpret_cast<const int64_t*>(ids), n,
-                                resident_rows, reinterpret_cast<uint8_t*>(staging),
+                                {resident_begin, resident_end}, reinterpret_cast<uint8_t*>(staging),
                                 reinterpret_cast<int32_t*>(status), capturing);
       },
       "Enqueues the gather of pinned ids into pinned staging on a CUDA stream");

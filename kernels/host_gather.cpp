@@ -108,7 +108,7 @@ struct HostGatherJob {
   uintptr_t stream;
   const int64_t* ids;  // pinned, written by a device-to-host copy ordered before
   int64_t n;
-  int64_t resident_rows;  // fixed at launch: a captured graph keeps its tiers
+  RowRange resident;  // fixed at launch: a captured graph keeps its tiers
   uint8_t* staging;  // pinned, n * row_bytes
   int32_t* status;   // pinned; 0 when the rows in staging are this job's
   bool one_shot;     // eager launch: the job frees itself after it runs
@@ -132,7 +132,7 @@ void run_job(void* data) {
   *job->status = 1;
   try {
     std::shared_ptr<MappedTable> table = find_table(job->handle);
-    table->gather(job->ids, /*ids_are_int64=*/true, job->n, job->staging, job->resident_rows);
+    table->gather(job->ids, /*ids_are_int64=*/true, job->n, job->staging, job->resident);
     *job->status = 0;
   } catch (const std::exception& error) {
     record_error(*job, error.what());
@@ -158,9 +158,9 @@ void unregister_host_memory(void* data, int device) {
 }
 
 void launch_host_gather(uintptr_t stream, int64_t handle, const int64_t* ids, int64_t n,
-                        int64_t resident_rows, uint8_t* staging, int32_t* status, bool capturing) {
+                        RowRange resident, uint8_t* staging, int32_t* status, bool capturing) {
   auto job = std::make_unique<HostGatherJob>(
-      HostGatherJob{handle, stream, ids, n, resident_rows, staging, status, !capturing});
+      HostGatherJob{handle, stream, ids, n, resident, staging, status, !capturing});
   check(driver().launch_host_func(reinterpret_cast<CUstream>(stream), run_job, job.get()),
         "cuLaunchHostFunc");
   if (capturing) {

@@ -9,12 +9,12 @@
 namespace ple {
 
 // Enqueues, on `stream` (a CUstream), the gather of the n int64 ids at `ids`
-// into `staging` (ids below resident_rows are left to the device and host
-// tiers); `status` is set to 0 when it succeeded, 1 when it failed.
+// into `staging` (ids in `resident` are left to the device and host tiers);
+// `status` is set to 0 when it succeeded, 1 when it failed.
 // All three pointers are pinned host memory that stays valid while the work
 // (or, when `capturing`, the graph it is captured into) may run.
 void launch_host_gather(uintptr_t stream, int64_t handle, const int64_t* ids, int64_t n,
-                        int64_t resident_rows, uint8_t* staging, int32_t* status, bool capturing);
+                        RowRange resident, uint8_t* staging, int32_t* status, bool capturing);
 
 // Page-locks host memory for the CUDA operator (also while a graph is being
 // captured, which cudaHostRegister refuses), and undoes it.  `device`: whose

@@ -147,18 +147,18 @@ MappedTable::~MappedTable() {
 }
 
 void MappedTable::gather(const void* ids, bool ids_are_int64, int64_t n, uint8_t* out,
-                         int64_t resident_rows) {
-  if (ids_are_int64 && take_prefetched(static_cast<const int64_t*>(ids), n, out, resident_rows)) {
+                         RowRange resident) {
+  if (ids_are_int64 && take_prefetched(static_cast<const int64_t*>(ids), n, out, resident)) {
     return;
   }
-  gather_rows(*this, ids, ids_are_int64, n, out, resident_rows);
+  gather_rows(*this, ids, ids_are_int64, n, out, resident);
 }
 
-void MappedTable::prefetch(std::vector<int64_t> ids, int64_t resident_rows) {
+void MappedTable::prefetch(std::vector<int64_t> ids, RowRange resident) {
   auto request = std::make_shared<PrefetchRequest>();
   request->rows.resize(ids.size() * row_bytes_);
   request->ids = std::move(ids);
-  request->resident_rows = resident_rows;
+  request->resident = resident;
   {
     std::lock_guard<std::mutex> lock(prefetch_.mutex);
     if (!prefetch_.worker.joinable()) prefetch_.worker = std::thread([this] { run_prefetches(); });
@@ -198,7 +198,7 @@ void MappedTable::run_prefetches() {
     std::exception_ptr error;
     try {
       gather_rows(*this, next->ids.data(), true, next->ids.size(), next->rows.data(),
-                  next->resident_rows);
+                  next->resident);
     } catch (...) {
       error = std::current_exception();
     }
@@ -210,14 +210,14 @@ void MappedTable::run_prefetches() {
 }
 
 bool MappedTable::take_prefetched(const int64_t* ids, int64_t n, uint8_t* out,
-                                  int64_t resident_rows) {
+                                  RowRange resident) {
   std::unique_lock<std::mutex> lock(prefetch_.mutex);
   auto& pending = prefetch_.pending;
   bool others = false;
   std::shared_ptr<PrefetchRequest> request;
   for (const auto& queued : pending) {
     if (queued->taken) continue;
-    if (static_cast<int64_t>(queued->ids.size()) == n && queued->resident_rows == resident_rows &&
+    if (static_cast<int64_t>(queued->ids.size()) == n && queued->resident == resident &&
         std::memcmp(queued->ids.data(), ids, n * sizeof(int64_t)) == 0) {
       request = queued;
       break;

@@ -40,6 +40,14 @@ struct GatherConfig {
   uint64_t row_cache_bytes = 0;
 };
 
+// The rows [begin, end) that the device and host tiers hold: the gather
+// leaves them to its caller.
+struct RowRange {
+  int64_t begin = 0, end = 0;
+  bool contains(int64_t id) const { return id >= begin && id < end; }
+  bool operator==(const RowRange& other) const { return begin == other.begin && end == other.end; }
+};
+
 struct MappedFile {
   std::string path;
   int fd = -1;
@@ -66,7 +74,7 @@ struct GatherCounters {
 // A gather started ahead of the operator call that will want its rows.
 struct PrefetchRequest {
   std::vector<int64_t> ids;
-  int64_t resident_rows = 0;
+  RowRange resident;
   std::vector<uint8_t> rows;
   bool started = false, done = false;
   bool taken = false;  // a gather waits for it
@@ -117,19 +125,18 @@ class MappedTable {
 
   // The rows `ids` into `out` (see gather_rows), taken from a pending
   // prefetch of the same ids when there is one.
-  void gather(const void* ids, bool ids_are_int64, int64_t n, uint8_t* out,
-              int64_t resident_rows);
+  void gather(const void* ids, bool ids_are_int64, int64_t n, uint8_t* out, RowRange resident);
 
   // Queues the gather of `ids` on the table's prefetch thread, after the
   // prefetches queued before it; the rows wait for take_prefetched.  When the
   // prefetches not taken would hold more than kMaxPendingPrefetchBytes of
   // rows, the oldest are dropped (the newest is always kept).
-  void prefetch(std::vector<int64_t> ids, int64_t resident_rows);
+  void prefetch(std::vector<int64_t> ids, RowRange resident);
 
   // When a pending prefetch is of exactly these ids: waits for it (and for
   // those queued before it), copies its rows to `out` and returns true.
   // Otherwise returns false.
-  bool take_prefetched(const int64_t* ids, int64_t n, uint8_t* out, int64_t resident_rows);
+  bool take_prefetched(const int64_t* ids, int64_t n, uint8_t* out, RowRange resident);
 
   // Drops this table's pages from the page cache: unmaps them from this
   // process, then asks the kernel to forget the files' clean pages.  Pages
@@ -160,9 +167,9 @@ void unregister_table(int64_t handle);
 
 // Copies the rows `ids` (int32 or int64, n of them) into `out`, row i of the
 // request at out + i * row_bytes.  Validates every id before writing.  Ids
-// below `resident_rows` live in the device and host tiers, which the caller
-// reads: their rows in `out` are left as they were, and they are not counted.
+// in `resident` live in the device and host tiers, which the caller reads:
+// their rows in `out` are left as they were, and they are not counted.
 void gather_rows(MappedTable& table, const void* ids, bool ids_are_int64,
-                 int64_t n, uint8_t* out, int64_t resident_rows);
+                 int64_t n, uint8_t* out, RowRange resident);
 
 }  // namespace ple

@@ -303,10 +303,10 @@ int64_t id_at(const void* ids, int64_t i) {
 }
 
 // Checks every id, then lists the rows the disk tier serves (ids at or above
-// resident_rows) with their addresses, in request order.
+// outside `resident`) with their addresses, in request order.
 template <typename Id>
 void validate_and_address(const MappedTable& table, const void* ids, int64_t n,
-                          int64_t resident_rows, int parts, std::vector<RowRef>& rows) {
+                          RowRange resident, int parts, std::vector<RowRef>& rows) {
   const int64_t num_rows = table.num_rows();
   std::vector<int64_t> first_bad(parts, -1);
   std::vector<std::vector<RowRef>> part_rows(parts);
@@ -319,7 +319,7 @@ void validate_and_address(const MappedTable& table, const void* ids, int64_t n,
         first_bad[p] = i;
         return;
       }
-      if (id >= resident_rows) mine.push_back({reinterpret_cast<uintptr_t>(table.row_address(id)), i});
+      if (!resident.contains(id)) mine.push_back({reinterpret_cast<uintptr_t>(table.row_address(id)), i});
     }
   });
   for (const int64_t i : first_bad) {
@@ -441,7 +441,7 @@ std::vector<int64_t> chunk_starts(const std::vector<RowRef>& rows, int64_t row_b
 }  // namespace
 
 void gather_rows(MappedTable& table, const void* ids, bool ids_are_int64, int64_t n,
-                 uint8_t* out, int64_t resident_rows) {
+                 uint8_t* out, RowRange resident) {
   const auto t0 = std::chrono::steady_clock::now();
   const GatherConfig config = table.config();
   int64_t threads = config.threads;
@@ -453,9 +453,9 @@ void gather_rows(MappedTable& table, const void* ids, bool ids_are_int64, int64_
       std::max<int64_t>(1, std::min<int64_t>(threads, n / kMinRowsPerThread)));
   std::vector<RowRef> rows;
   if (ids_are_int64) {
-    validate_and_address<int64_t>(table, ids, n, resident_rows, validate_parts, rows);
+    validate_and_address<int64_t>(table, ids, n, resident, validate_parts, rows);
   } else {
-    validate_and_address<int32_t>(table, ids, n, resident_rows, validate_parts, rows);
+    validate_and_address<int32_t>(table, ids, n, resident, validate_parts, rows);
   }
   const int64_t row_bytes = table.row_bytes();
   const uint64_t disk_rows = rows.size();

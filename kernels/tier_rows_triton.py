@@ -23,24 +23,25 @@ MAX_BYTES_PER_PROGRAM = 1024
 
 @triton.jit
 def assemble_rows_kernel(ids_ptr, n, out_ptr, row_bytes, device_ptr, host_ptr, staged_ptr,
-                         device_rows, resident_rows, num_rows, hits_ptr, status_in_ptr,
-                         status_out_ptr, HAS_STAGED: tl.constexpr, ROWS: tl.constexpr,
-                         BYTES: tl.constexpr):
+                         first_row, device_rows, tier_rows, num_rows, hits_ptr,
+                         status_in_ptr, status_out_ptr, HAS_STAGED: tl.constexpr,
+                         ROWS: tl.constexpr, BYTES: tl.constexpr):
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     in_call = rows < n
     ids = tl.load(ids_ptr + rows, mask=in_call, other=0).to(tl.int64)
     bad = in_call & ((ids < 0) | (ids >= num_rows))
     good = in_call & ~bad
-    on_device = good & (ids < device_rows)
-    on_host = good & (ids >= device_rows) & (ids < resident_rows)
-    on_disk = good & (ids >= resident_rows)
+    tier_row = ids - first_row  # the id's row in the tiers, when it has one
+    on_device = good & (tier_row >= 0) & (tier_row < device_rows)
+    on_host = good & (tier_row >= device_rows) & (tier_row < tier_rows)
+    on_disk = good & ((tier_row < 0) | (tier_row >= tier_rows))
 
     cols = tl.program_id(1) * BYTES + tl.arange(0, BYTES)
     in_row = (cols < row_bytes)[None, :]
     cols = cols[None, :]
-    from_device = tl.load(device_ptr + ids[:, None] * row_bytes + cols,
+    from_device = tl.load(device_ptr + tier_row[:, None] * row_bytes + cols,
                           mask=on_device[:, None] & in_row, other=0)
-    from_host = tl.load(host_ptr + (ids - device_rows)[:, None] * row_bytes + cols,
+    from_host = tl.load(host_ptr + (tier_row - device_rows)[:, None] * row_bytes + cols,
                         mask=on_host[:, None] & in_row, other=0)
     value = tl.where(on_device[:, None], from_device, from_host)
     if HAS_STAGED:
@@ -59,15 +60,17 @@ def assemble_rows_kernel(ids_ptr, n, out_ptr, row_bytes, device_ptr, host_ptr, s
         if HAS_STAGED:
             tl.atomic_max(status_out_ptr, tl.load(status_in_ptr))
 
+
 def assemble_rows_triton(ids: torch.Tensor, out: torch.Tensor, device_table: torch.Tensor | None,
                          host_table: torch.Tensor | None, staged: torch.Tensor | None,
-                         device_rows: int, num_rows: int, hits: torch.Tensor,
+                         first_row: int, device_rows: int, num_rows: int, hits: torch.Tensor,
                          status_in: torch.Tensor | None, status_out: torch.Tensor) -> torch.Tensor:
     """Row ``i`` of ``out`` (uint8 ``[n, row_bytes]`` on the GPU) becomes row
-    ``ids[i]`` of the tiers: ``device_table`` holds rows ``[0, device_rows)``,
-    ``host_table`` (pinned) the next ones, ``staged`` (pinned or on the GPU)
-    holds, at position ``i``, the disk rows.  ``staged`` and ``status_in`` go
-    together: without them every id must be resident.  Adds the rows served
+    ``ids[i]`` of the tiers: ``device_table`` holds rows ``[first_row,
+    first_row + device_rows)``, ``host_table`` (pinned) the next ones,
+    ``staged`` (pinned or on the GPU) holds, at position ``i``, the disk
+    rows.  ``staged`` and ``status_in`` go together: without them every id
+    must be resident.  Adds the rows served
     to ``hits`` (int64 ``[device, host]``); sets ``status_out`` (int32) to 1
     on a bad id or when ``status_in`` is nonzero."""
     n, row_bytes = out.shape
@@ -88,7 +91,7 @@ def assemble_rows_triton(ids: torch.Tensor, out: torch.Tensor, device_table: tor
         placeholder if device_table is None else device_table,
         placeholder if host_table is None else host_table,
         placeholder if staged is None else staged,
-        device_rows, device_rows + host_count, num_rows, hits,
+        first_row, device_rows, device_rows + host_count, num_rows, hits,
         status_out if status_in is None else status_in, status_out,
         HAS_STAGED=staged is not None, ROWS=ROWS_PER_PROGRAM, BYTES=block)
     return out

@@ -50,13 +50,13 @@ def disk_gather_cuda(table: Table, ids: torch.Tensor, dtype: torch.dtype) -> tor
         # Another GPU's memory is not readable here without peer access.
         raise ValueError(f"ple.disk_gather: table {table.name!r} keeps its device tier on "
                          f"{placement.device}, and the ids are on {ids.device}")
-    on_disk = placement is None or placement.resident_rows < table.num_rows
+    on_disk = placement is None or placement.resident_range != (0, table.num_rows)
     if on_disk:
         staging.reserve(n, capturing)
         staged_ids = staging.ids.bytes[: 8 * n].view(torch.int64)
         staged_ids.copy_(ids.reshape(-1).to(torch.int64), non_blocking=True)
         native.launch_host_gather(stream.cuda_stream, table.handle, staged_ids.data_ptr(), n,
-                                  table.resident_rows, staging.rows.bytes.data_ptr(),
+                                  *table.resident_range, staging.rows.bytes.data_ptr(),
                                   staging.status.bytes.data_ptr(), capturing)
         staged = staging.rows.bytes[: n * table.row_bytes].view(n, table.row_bytes)
         if staged.numel() > UVA_MAX_BYTES:
@@ -70,7 +70,7 @@ def disk_gather_cuda(table: Table, ids: torch.Tensor, dtype: torch.dtype) -> tor
             tier_status = torch.zeros(1, dtype=torch.int32, device=ids.device)
             assemble_rows_triton(ids.reshape(-1), rows, placement.device_table,
                                  placement.host_table, staged if on_disk else None,
-                                 placement.device_rows, table.num_rows,
+                                 placement.first_row, placement.device_rows, table.num_rows,
                                  placement.hits_on(ids.device),
                                  status if on_disk else None, tier_status)
             if not on_disk:

@@ -268,25 +268,31 @@ class Table:
                          c.row_cache_mib << 20)
 
     @property
-    def resident_rows(self) -> int:
-        """Rows ``[0, resident_rows)`` are in the device and host tiers."""
-        return self.placement.resident_rows if self.placement is not None else 0
+    def resident_range(self) -> tuple[int, int]:
+        """``(begin, end)``: rows ``[begin, end)`` are in the device and host
+        tiers (``(0, 0)`` without tiers)."""
+        return self.placement.resident_range if self.placement is not None else (0, 0)
 
     def place(self, device_rows: int = 0, host_rows: int = 0, device=None,
-              progress: Callable[[int, int], None] | None = None) -> None:
-        """Keeps rows ``[0, device_rows)`` in the memory of ``device`` (a GPU)
-        and the next ``host_rows`` rows in host memory (page-locked when CUDA
-        is there); the rest stay on disk.  Gathers then read each id from its
-        tier, with the same bytes.  The rows are read now; ``progress(done,
-        total)`` is called as they are.  ``place()`` with no rows drops the
-        tiers.  A CUDA graph captured before a ``place`` keeps the tiers it
-        was captured with (they stay in memory until the table closes)."""
-        for name, value in (("device_rows", device_rows), ("host_rows", host_rows)):
+              progress: Callable[[int, int], None] | None = None, *, first_row: int = 0) -> None:
+        """Keeps rows ``[first_row, first_row + device_rows)`` in the memory of
+        ``device`` (a GPU) and the next ``host_rows`` rows in host memory
+        (page-locked when CUDA is there); the rest stay on disk.  Gathers then
+        read each id from its tier, with the same bytes.  The rows are read
+        now; ``progress(done, total)`` is called as they are.  ``place()``
+        with no rows drops the tiers.  A CUDA graph captured before a
+        ``place`` keeps the tiers it was captured with (they stay in memory
+        until the table closes).  ``first_row``: where the tiers start, for
+        example a tensor-parallel rank's own rows, or one layer's rows of a
+        table that several layers share."""
+        for name, value in (("device_rows", device_rows), ("host_rows", host_rows),
+                            ("first_row", first_row)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"ple: {name} must be a non-negative int, got {value!r}")
-        if device_rows + host_rows > self.num_rows:
-            raise ValueError(f"ple: device_rows + host_rows = {device_rows + host_rows} is more "
-                             f"than the {self.num_rows} rows of table {self.name!r}")
+        if first_row + device_rows + host_rows > self.num_rows:
+            raise ValueError(f"ple: first_row + device_rows + host_rows = "
+                             f"{first_row + device_rows + host_rows} is more than the "
+                             f"{self.num_rows} rows of table {self.name!r}")
         if device_rows:
             device = torch.device(device if device is not None else "cuda")
             if device.type != "cuda":
@@ -299,7 +305,7 @@ class Table:
         if device_rows or host_rows:
             self.placement = Placement(lambda ids, out: self.gather_bytes(ids, out=out),
                                        self.row_bytes, device_rows, host_rows,
-                                       device if device_rows else None, progress)
+                                       device if device_rows else None, first_row, progress)
 
     def _retire_placement(self) -> None:
         old, self.placement = self.placement, None
@@ -332,7 +338,7 @@ class Table:
             raise ValueError(f"ple: out must be a contiguous CPU uint8 tensor of shape "
                              f"{list(shape)}, not {out.dtype} {list(out.shape)} on {out.device}")
         flat = ids.reshape(-1).contiguous()
-        native.gather(self.handle, flat, out, self.resident_rows)
+        native.gather(self.handle, flat, out, *self.resident_range)
         if self.placement is not None:
             self.placement.fill_cpu(flat, out.view(-1, self.row_bytes))
         return out
@@ -348,7 +354,7 @@ class Table:
             raise TypeError(f"ple: prefetch takes int32 or int64 ids on the CPU, not {ids.dtype} "
                             f"on {ids.device}")
         native.prefetch(self.handle, ids.reshape(-1).to(torch.int64).contiguous(),
-                        self.resident_rows)
+                        *self.resident_range)
 
     def staging_for(self, stream: torch.cuda.Stream) -> StreamStaging:
         """The pinned buffers of this table on a CUDA stream."""

@@ -1,11 +1,11 @@
-"""Device and host tiers: a table's first rows kept in memory.
+"""Device and host tiers: a run of a table's rows kept in memory.
 
-``Table.place(device_rows, host_rows, device)`` keeps rows ``[0, device_rows)``
-on a GPU and rows ``[device_rows, device_rows + host_rows)`` in host memory
-(page-locked when CUDA is there, so that kernels read it over UVA).  Rows are
-kept as the bytes of the file, packed as on disk; only the rows a call
-gathers are decoded.  The native gather skips ids below ``resident_rows``; the
-operator reads them from here.
+``Table.place(device_rows, host_rows, device, first_row=f)`` keeps rows
+``[f, f + device_rows)`` on a GPU and the next ``host_rows`` rows in host
+memory (page-locked when CUDA is there, so that kernels read it over UVA).
+Rows are kept as the bytes of the file, packed as on disk; only the rows a
+call gathers are decoded.  The native gather skips the ids of
+``resident_range``; the operator reads them from here.
 """
 
 from __future__ import annotations
@@ -27,7 +27,8 @@ class Placement:
 
     def __init__(self, gather_bytes: Callable[[torch.Tensor, torch.Tensor], None], row_bytes: int,
                  device_rows: int, host_rows: int, device: torch.device | None,
-                 progress: Callable[[int, int], None] | None = None):
+                 first_row: int = 0, progress: Callable[[int, int], None] | None = None):
+        self.first_row = first_row
         self.device_rows = device_rows
         self.host_rows = host_rows
         self.device = device
@@ -52,7 +53,8 @@ class Placement:
 
         def load(first: int, out: torch.Tensor) -> None:
             nonlocal done
-            gather_bytes(torch.arange(first, first + out.shape[0], dtype=torch.int64), out)
+            gather_bytes(torch.arange(first_row + first, first_row + first + out.shape[0],
+                                      dtype=torch.int64), out)
             done += out.shape[0]
             if progress is not None:
                 progress(done, total)
@@ -76,21 +78,22 @@ class Placement:
                 load(device_rows + first, self.host_table[first:first + chunk_rows])
 
     @property
-    def resident_rows(self) -> int:
-        return self.device_rows + self.host_rows
+    def resident_range(self) -> tuple[int, int]:
+        """``(begin, end)``: the rows the tiers hold."""
+        return self.first_row, self.first_row + self.device_rows + self.host_rows
 
     def fill_cpu(self, ids: torch.Tensor, out: torch.Tensor) -> None:
         """Writes the resident rows of ``ids`` (valid, 1-D, CPU) into ``out``
         ``[n, row_bytes]``, where the native gather left them."""
-        ids = ids.to(torch.int64)
-        on_device = ids < self.device_rows
-        on_host = (ids >= self.device_rows) & (ids < self.resident_rows)
+        rows = ids.to(torch.int64) - self.first_row  # row in the tiers
+        on_device = (rows >= 0) & (rows < self.device_rows)
+        on_host = (rows >= self.device_rows) & (rows < self.device_rows + self.host_rows)
         device_hits = int(on_device.sum())
         host_hits = int(on_host.sum())
         if host_hits:
-            out[on_host] = self.host_table[ids[on_host] - self.device_rows]
+            out[on_host] = self.host_table[rows[on_host] - self.device_rows]
         if device_hits:
-            out[on_device] = self.device_table[ids[on_device].to(self.device)].cpu()
+            out[on_device] = self.device_table[rows[on_device].to(self.device)].cpu()
         with self._cpu_hits_lock:
             self._cpu_hits[0] += device_hits
             self._cpu_hits[1] += host_hits

@@ -28,29 +28,34 @@ def interpreted():
     return module
 
 
-@pytest.mark.parametrize("device_rows, host_rows, with_disk", [
-    (0, 0, True), (30, 0, True), (0, 50, True), (30, 50, True), (40, 60, False), (100, 0, False)])
+@pytest.mark.parametrize("first_row, device_rows, host_rows, with_disk", [
+    (0, 0, 0, True), (0, 30, 0, True), (0, 0, 50, True), (0, 30, 50, True), (0, 40, 60, False),
+    (0, 100, 0, False), (25, 30, 20, True), (60, 0, 40, True), (20, 80, 0, True)])
 @pytest.mark.parametrize("row_bytes", [1, 17, 160, 1500])
-def test_assembly_picks_each_row_from_its_tier(interpreted, device_rows, host_rows, with_disk,
-                                               row_bytes):
+def test_assembly_picks_each_row_from_its_tier(interpreted, first_row, device_rows, host_rows,
+                                               with_disk, row_bytes):
     num_rows = 100
-    rng = np.random.default_rng(row_bytes)
+    end = first_row + device_rows + host_rows
+    rng = np.random.default_rng(row_bytes + first_row)
     table = torch.from_numpy(rng.integers(0, 256, (num_rows, row_bytes), dtype=np.uint8))
-    ids = torch.from_numpy(rng.integers(0, num_rows if with_disk else device_rows + host_rows, 37))
+    ids = torch.from_numpy(rng.integers(0, num_rows, 37) if with_disk
+                           else rng.integers(first_row, end, 37))
+    ids[:2] = torch.tensor([first_row, end - 1]) if end > first_row else ids[:2]
+    on_device = (ids >= first_row) & (ids < first_row + device_rows)
+    on_host = (ids >= first_row + device_rows) & (ids < end)
+    on_disk = ~(on_device | on_host)
     staged = torch.zeros((37, row_bytes), dtype=torch.uint8)
-    on_disk = ids >= device_rows + host_rows
     staged[on_disk] = table[ids[on_disk]]
     out = torch.empty((37, row_bytes), dtype=torch.uint8)
     hits = torch.zeros(2, dtype=torch.int64)
     status_out = torch.zeros(1, dtype=torch.int32)
     interpreted.assemble_rows_triton(
-        ids, out, table[:device_rows] if device_rows else None,
-        table[device_rows:device_rows + host_rows] if host_rows else None,
-        staged if with_disk else None, device_rows, num_rows, hits,
+        ids, out, table[first_row:first_row + device_rows] if device_rows else None,
+        table[first_row + device_rows:end] if host_rows else None,
+        staged if with_disk else None, first_row, device_rows, num_rows, hits,
         torch.zeros(1, dtype=torch.int32) if with_disk else None, status_out)
     assert torch.equal(out, table[ids])
-    assert hits.tolist() == [int((ids < device_rows).sum()),
-                             int(((ids >= device_rows) & ~on_disk).sum())]
+    assert hits.tolist() == [int(on_device.sum()), int(on_host.sum())]
     assert status_out.item() == 0
 
 
@@ -64,6 +69,6 @@ def test_assembly_flags_bad_ids_and_failed_host_gathers(interpreted, bad_id, sta
     device_rows = 10 if has_disk else 100
     interpreted.assemble_rows_triton(
         ids, out, table[:device_rows], None, torch.zeros((3, 1), dtype=torch.uint8) if has_disk else None,
-        device_rows, 100, torch.zeros(2, dtype=torch.int64),
+        0, device_rows, 100, torch.zeros(2, dtype=torch.int64),
         torch.tensor([status_in], dtype=torch.int32) if has_disk else None, status_out)
     assert status_out.item() == 1

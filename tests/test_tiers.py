@@ -64,6 +64,19 @@ def test_host_tier_gives_the_disk_bytes_and_counts_each_tier(table, reference, h
     assert stats["rows"] == ids.numel() - on_host  # the disk tier's rows only
 
 
+@pytest.mark.parametrize("first_row, host_rows", [(1, 1), (700, 600), (1999, 1), (300, ROWS - 300)])
+def test_tiers_from_a_first_row(table, reference, first_row, host_rows):
+    table.place(host_rows=host_rows, first_row=first_row)
+    assert table.resident_range == (first_row, first_row + host_rows)
+    table.reset_stats()
+    ids = request_ids(first_row)
+    assert np.array_equal(table.gather_bytes(ids).numpy(), reference[ids.numpy()])
+    resident = (ids >= first_row) & (ids < first_row + host_rows)
+    stats = table.stats()
+    assert stats["host_tier_hits"] == int(resident.sum())
+    assert stats["rows"] == ids.numel() - int(resident.sum())
+
+
 def test_int32_ids_and_shapes_through_the_operator(table, reference):
     table.place(host_rows=700)
     ids = request_ids(3, 60).to(torch.int32).reshape(3, 4, 5)
@@ -93,7 +106,7 @@ def test_replacing_and_dropping_tiers(table, reference):
     ids = request_ids(5)
     for host_rows in (300, 1700, 0):
         table.place(host_rows=host_rows)
-        assert table.resident_rows == host_rows
+        assert table.resident_range == ((0, host_rows) if host_rows else (0, 0))
         assert np.array_equal(table.gather_bytes(ids).numpy(), reference[ids.numpy()])
     assert table.placement is None
 
@@ -108,7 +121,9 @@ def test_place_progress_reports_every_row(table):
 @pytest.mark.parametrize("args, error, message", [
     (dict(host_rows=-1), ValueError, "host_rows must be a non-negative int, got -1"),
     (dict(device_rows=1.5), ValueError, "device_rows must be a non-negative int, got 1.5"),
-    (dict(host_rows=ROWS + 1), ValueError, f"device_rows \\+ host_rows = {ROWS + 1} is more than"),
+    (dict(host_rows=ROWS + 1), ValueError, f"first_row \\+ device_rows \\+ host_rows = {ROWS + 1} is more than"),
+    (dict(host_rows=10, first_row=ROWS - 9), ValueError, f"= {ROWS + 1} is more than the {ROWS} rows"),
+    (dict(host_rows=1, first_row=-1), ValueError, "first_row must be a non-negative int, got -1"),
     (dict(device_rows=1, device="cpu"), ValueError, "the device tier lives on a CUDA device, not cpu"),
 ])
 def test_place_rejects_bad_splits(table, args, error, message):
@@ -189,25 +204,31 @@ def test_row_cache_mib_is_validated_and_io_only():
 # The CUDA operator with tiers --------------------------------------------------
 
 SPLITS = [(0, 0), (500, 0), (0, 700), (500, 700), (ROWS, 0), (0, ROWS), (1200, ROWS - 1200)]
+FIRST_ROWS = [0, 300]
 
 
 @needs_gpu
+@pytest.mark.parametrize("first_row", FIRST_ROWS)
 @pytest.mark.parametrize("device_rows, host_rows", SPLITS)
 @pytest.mark.parametrize("n", [16, 9000])  # staged rows read over UVA, then from a device copy
-def test_cuda_gather_with_every_split_equals_disk_only(table, device_rows, host_rows, n):
+def test_cuda_gather_with_every_split_equals_disk_only(table, first_row, device_rows, host_rows, n):
+    if first_row + device_rows + host_rows > ROWS:
+        pytest.skip("the split does not fit after first_row")
     ids = request_ids(device_rows + host_rows, n).cuda()
     expected = torch.ops.ple.disk_gather(ids.cpu(), table.handle, torch.bfloat16)
-    table.place(device_rows=device_rows, host_rows=host_rows, device="cuda")
+    table.place(device_rows=device_rows, host_rows=host_rows, device="cuda", first_row=first_row)
     table.reset_stats()  # place() itself gathered the resident rows
     values = torch.ops.ple.disk_gather(ids, table.handle, torch.bfloat16)
     assert same_values(values, expected)
     stats = table.stats()
-    resident = device_rows + host_rows
-    assert stats["device_tier_hits"] == int((ids < device_rows).sum())
-    assert stats["host_tier_hits"] == int(((ids >= device_rows) & (ids < resident)).sum())
-    assert stats["rows"] == int((ids >= resident).sum())
+    tier_row = ids - first_row
+    on_device = (tier_row >= 0) & (tier_row < device_rows)
+    on_host = (tier_row >= device_rows) & (tier_row < device_rows + host_rows)
+    assert stats["device_tier_hits"] == int(on_device.sum())
+    assert stats["host_tier_hits"] == int(on_host.sum())
+    assert stats["rows"] == ids.numel() - int((on_device | on_host).sum())
     # With every row resident no host gather runs at all.
-    assert stats["calls"] == (0 if resident == ROWS else 1)
+    assert stats["calls"] == (0 if device_rows + host_rows == ROWS else 1)
 
 
 @needs_gpu
