@@ -172,6 +172,10 @@ def test_two_ranks_on_gloo_give_the_embedding_of_one_process(tables, tmp_path):
             for got_rows, expected_rows in zip(got_step, expected_step):
                 assert torch.equal(bits(got_rows), bits(expected_rows))
         assert got["prefetch_hits"] == 1
+        # Its own token rows came from its host tier, the others' ids (clamped
+        # to an own row, then masked) too: nothing of the token table from disk.
+        assert got["token_stats"]["host_tier_hits"] == inputs[1][0].numel()
+        assert got["token_stats"]["rows"] == 0
         assert got["ranges"] == [row_range(layer.table.num_rows, rank, 2) for layer in layers]
     for layer in layers:
         layer.table.close()
@@ -179,16 +183,21 @@ def test_two_ranks_on_gloo_give_the_embedding_of_one_process(tables, tmp_path):
 
 def worker(directory: Path, out: Path, init_method: str, rank: int, world_size: int) -> None:
     """One rank: the layers split over the group, run on each step's inputs
-    (the second step's n-gram rows prefetched), saved for the test to compare."""
+    (the second step's n-gram rows prefetched, and its token rows from each
+    rank's host tier of its own rows), saved for the test to compare."""
     dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world_size)
     layers = open_layers(directory, dist.group.WORLD)
     inputs = torch.load(out / "inputs.pt")
     outputs = [embeddings(layers, inputs[0])]
-    ngram = layers[0]
+    ngram, token = layers[0], layers[1]
     ngram.table.reset_stats()
     ngram.prefetch(*inputs[1])
+    # Each rank keeps its own rows of the token table in the host tier.
+    token.table.place(host_rows=token.split.stop - token.split.start, first_row=token.split.start)
+    token.table.reset_stats()
     outputs.append(embeddings(layers, inputs[1]))
     torch.save({"outputs": outputs, "prefetch_hits": ngram.table.stats()["prefetch_hits"],
+                "token_stats": token.table.stats(),
                 "ranges": [(layer.split.start, layer.split.stop) for layer in layers]},
                out / f"rank{rank}.pt")
     dist.destroy_process_group()
