@@ -13,8 +13,6 @@ namespace py = pybind11;
 
 namespace {
 
-std::shared_ptr<ple::MappedTable> table_of(int64_t handle) { return ple::find_table(handle); }
-
 int64_t open_table(const std::vector<std::string>& paths, const std::vector<int64_t>& shard_file,
                    const std::vector<int64_t>& shard_offset, const std::vector<int64_t>& shard_rows,
                    int64_t row_bytes) {
@@ -28,7 +26,7 @@ int64_t open_table(const std::vector<std::string>& paths, const std::vector<int6
 
 void configure(int64_t handle, const std::string& policy, uint64_t window_bytes, int threads,
                uint64_t row_cache_bytes) {
-  table_of(handle)->set_config({ple::parse_policy(policy), window_bytes, threads, row_cache_bytes});
+  ple::find_table(handle)->set_config({ple::parse_policy(policy), window_bytes, threads, row_cache_bytes});
 }
 
 // ids: contiguous int32/int64 CPU tensor; out: contiguous uint8 CPU tensor of
@@ -41,7 +39,7 @@ void gather(int64_t handle, const torch::Tensor& ids, torch::Tensor& out, int64_
               "ids must be int32 or int64");
   TORCH_CHECK(out.device().is_cpu() && out.is_contiguous() && out.scalar_type() == torch::kUInt8,
               "out must be a contiguous uint8 CPU tensor");
-  auto table = table_of(handle);
+  auto table = ple::find_table(handle);
   TORCH_CHECK(out.numel() == ids.numel() * table->row_bytes(), "out has ", out.numel(),
               " bytes, the rows need ", ids.numel() * table->row_bytes());
   const void* id_data = ids.data_ptr();
@@ -56,7 +54,7 @@ void prefetch(int64_t handle, const torch::Tensor& ids, int64_t resident_begin,
   TORCH_CHECK(ids.device().is_cpu() && ids.is_contiguous() && ids.scalar_type() == torch::kInt64,
               "prefetch ids must be a contiguous int64 CPU tensor");
   const int64_t* data = ids.data_ptr<int64_t>();
-  auto table = table_of(handle);
+  auto table = ple::find_table(handle);
   std::vector<int64_t> copy(data, data + ids.numel());
   py::gil_scoped_release no_gil;
   table->prefetch(std::move(copy), {resident_begin, resident_end});
@@ -72,8 +70,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("close_table", &ple::unregister_table, "Forgets a handle; unmaps when no gather holds it");
   m.def("configure", &configure, "Sets policy, window (bytes), threads and row cache (bytes)");
   m.def("gather", &gather, "Copies rows ids of a table into out");
-  m.def("stats", [](int64_t h) { return table_of(h)->counters().snapshot(); });
-  m.def("reset_stats", [](int64_t h) { table_of(h)->counters().reset(); });
+  m.def("stats", [](int64_t h) {
+    auto table = ple::find_table(h);
+    return table->counters().snapshot(table->row_bytes());
+  });
+  m.def("reset_stats", [](int64_t h) { ple::find_table(h)->counters().reset(); });
   m.def("prefetch", &prefetch, "Starts gathering ids on a background thread for the next gather of them");
   m.def(
       "launch_host_gather",
@@ -92,5 +93,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   });
   m.def("take_host_error", &ple::take_host_error,
         "The error of a failed host gather of a table on a stream, once");
-  m.def("drop_page_cache", [](int64_t h) { table_of(h)->drop_page_cache(); });
+  m.def("drop_page_cache", [](int64_t h) { ple::find_table(h)->drop_page_cache(); });
 }

@@ -49,13 +49,20 @@ void on_sigbus(int signal, siginfo_t* info, void* context) {
   forward(signal, info, context);
 }
 
+bool ours_installed() {
+  struct sigaction current;
+  ::sigaction(SIGBUS, nullptr, &current);
+  return (current.sa_flags & SA_SIGINFO) && current.sa_sigaction == on_sigbus;
+}
+
 }  // namespace
 
 void ensure_fault_handler() {
+  // The common case needs no lock; installing does, so that previous_handler
+  // is never our own handler.
+  if (ours_installed()) return;
   std::lock_guard<std::mutex> lock(install_mutex);
-  struct sigaction current;
-  ::sigaction(SIGBUS, nullptr, &current);
-  if ((current.sa_flags & SA_SIGINFO) && current.sa_sigaction == on_sigbus) return;
+  if (ours_installed()) return;
   struct sigaction ours;
   std::memset(&ours, 0, sizeof(ours));
   ours.sa_sigaction = on_sigbus;

@@ -72,33 +72,37 @@ Policy parse_policy(const std::string& name) {
                               "' (expected window, distance, all or none)");
 }
 
-std::map<std::string, uint64_t> GatherCounters::snapshot() const {
-  return {
-      {"calls", calls.load()},
-      {"rows", rows.load()},
-      {"unique_pages", unique_pages.load()},
-      {"advised_pages", advised_pages.load()},
-      {"resident_pages", resident_pages.load()},
-      {"evicted_before_copy", evicted_before_copy.load()},
-      {"max_advised_ahead_bytes", max_advised_ahead_bytes.load()},
-      {"bytes_copied", bytes_copied.load()},
-      {"major_faults", major_faults.load()},
-      {"minor_faults", minor_faults.load()},
-      {"gather_ns", gather_ns.load()},
-      {"prefetch_hits", prefetch_hits.load()},
-      {"prefetch_misses", prefetch_misses.load()},
-      {"row_cache_hits", row_cache_hits.load()},
-      {"row_cache_misses", row_cache_misses.load()},
-  };
+namespace {
+
+// Every counter once, with its name: snapshot and reset both walk this.
+const std::pair<const char*, std::atomic<uint64_t> GatherCounters::*> kCounterFields[] = {
+    {"calls", &GatherCounters::calls},
+    {"rows", &GatherCounters::rows},
+    {"unique_pages", &GatherCounters::unique_pages},
+    {"advised_pages", &GatherCounters::advised_pages},
+    {"resident_pages", &GatherCounters::resident_pages},
+    {"evicted_before_copy", &GatherCounters::evicted_before_copy},
+    {"max_advised_ahead_bytes", &GatherCounters::max_advised_ahead_bytes},
+    {"major_faults", &GatherCounters::major_faults},
+    {"minor_faults", &GatherCounters::minor_faults},
+    {"gather_ns", &GatherCounters::gather_ns},
+    {"prefetch_hits", &GatherCounters::prefetch_hits},
+    {"prefetch_misses", &GatherCounters::prefetch_misses},
+    {"row_cache_hits", &GatherCounters::row_cache_hits},
+    {"row_cache_misses", &GatherCounters::row_cache_misses},
+};
+
+}  // namespace
+
+std::map<std::string, uint64_t> GatherCounters::snapshot(int64_t row_bytes) const {
+  std::map<std::string, uint64_t> values;
+  for (const auto& [name, field] : kCounterFields) values[name] = (this->*field).load();
+  values["bytes_copied"] = values["rows"] * static_cast<uint64_t>(row_bytes);
+  return values;
 }
 
 void GatherCounters::reset() {
-  for (auto* c : {&calls, &rows, &unique_pages, &advised_pages, &resident_pages,
-                  &evicted_before_copy, &max_advised_ahead_bytes, &bytes_copied,
-                  &major_faults, &minor_faults, &gather_ns, &prefetch_hits, &prefetch_misses,
-                  &row_cache_hits, &row_cache_misses}) {
-    c->store(0);
-  }
+  for (const auto& [name, field] : kCounterFields) (this->*field).store(0);
 }
 
 MappedTable::MappedTable(const std::vector<std::string>& paths,
@@ -148,30 +152,29 @@ MappedTable::~MappedTable() {
 
 void MappedTable::gather(const void* ids, bool ids_are_int64, int64_t n, uint8_t* out,
                          RowRange resident) {
-  if (ids_are_int64 && take_prefetched(static_cast<const int64_t*>(ids), n, out, resident)) {
-    return;
-  }
+  if (take_prefetched(ids, ids_are_int64, n, out, resident)) return;
   gather_rows(*this, ids, ids_are_int64, n, out, resident);
 }
 
 void MappedTable::prefetch(std::vector<int64_t> ids, RowRange resident) {
   auto request = std::make_shared<PrefetchRequest>();
-  request->rows.resize(ids.size() * row_bytes_);
   request->ids = std::move(ids);
   request->resident = resident;
+  // What a request's rows take (or will take, once the prefetch thread has them).
+  auto bytes_of = [this](const PrefetchRequest& r) { return r.ids.size() * row_bytes_; };
   {
     std::lock_guard<std::mutex> lock(prefetch_.mutex);
     if (!prefetch_.worker.joinable()) prefetch_.worker = std::thread([this] { run_prefetches(); });
     auto& pending = prefetch_.pending;
-    uint64_t held = request->rows.size();
-    for (const auto& queued : pending) held += queued->taken ? 0 : queued->rows.size();
+    uint64_t held = bytes_of(*request);
+    for (const auto& queued : pending) held += queued->taken ? 0 : bytes_of(*queued);
     // Oldest first; a running one finishes unseen (the worker holds it).
     for (auto it = pending.begin(); held > kMaxPendingPrefetchBytes && it != pending.end();) {
       if ((*it)->taken) {
         ++it;
         continue;
       }
-      held -= (*it)->rows.size();
+      held -= bytes_of(**it);
       it = pending.erase(it);
     }
     pending.push_back(std::move(request));
@@ -197,6 +200,7 @@ void MappedTable::run_prefetches() {
     lock.unlock();
     std::exception_ptr error;
     try {
+      next->rows.resize(next->ids.size() * row_bytes_);
       gather_rows(*this, next->ids.data(), true, next->ids.size(), next->rows.data(),
                   next->resident);
     } catch (...) {
@@ -209,16 +213,22 @@ void MappedTable::run_prefetches() {
   }
 }
 
-bool MappedTable::take_prefetched(const int64_t* ids, int64_t n, uint8_t* out,
+bool MappedTable::take_prefetched(const void* ids, bool ids_are_int64, int64_t n, uint8_t* out,
                                   RowRange resident) {
+  // Prefetched ids are int64; a request of int32 ids is compared value by value.
+  auto same_ids = [&](const std::vector<int64_t>& queued) {
+    if (static_cast<int64_t>(queued.size()) != n) return false;
+    if (ids_are_int64) return std::memcmp(queued.data(), ids, n * sizeof(int64_t)) == 0;
+    const auto* narrow = static_cast<const int32_t*>(ids);
+    return std::equal(queued.begin(), queued.end(), narrow);
+  };
   std::unique_lock<std::mutex> lock(prefetch_.mutex);
   auto& pending = prefetch_.pending;
   bool others = false;
   std::shared_ptr<PrefetchRequest> request;
   for (const auto& queued : pending) {
     if (queued->taken) continue;
-    if (static_cast<int64_t>(queued->ids.size()) == n && queued->resident == resident &&
-        std::memcmp(queued->ids.data(), ids, n * sizeof(int64_t)) == 0) {
+    if (queued->resident == resident && same_ids(queued->ids)) {
       request = queued;
       break;
     }

@@ -3,8 +3,9 @@
 // The rows of a table are the concatenation of one or more shards; each shard
 // is a contiguous run of rows at some offset of some file.  Files are mapped
 // whole, read-only and shared, and advised MADV_RANDOM so that a fault reads
-// one page instead of the device's read-ahead window.  Nothing is copied into
-// anonymous memory: the page cache holds whatever the gather brought in.
+// one page instead of the device's read-ahead window.  The page cache holds
+// whatever the gather brought in; only the row cache (when configured) and
+// pending prefetches keep copies of rows.
 #pragma once
 
 #include <atomic>
@@ -64,10 +65,11 @@ struct Shard {
 struct GatherCounters {
   std::atomic<uint64_t> calls{0}, rows{0}, unique_pages{0}, advised_pages{0},
       resident_pages{0}, evicted_before_copy{0}, max_advised_ahead_bytes{0},
-      bytes_copied{0}, major_faults{0}, minor_faults{0}, gather_ns{0}, prefetch_hits{0},
+      major_faults{0}, minor_faults{0}, gather_ns{0}, prefetch_hits{0},
       prefetch_misses{0}, row_cache_hits{0}, row_cache_misses{0};
 
-  std::map<std::string, uint64_t> snapshot() const;
+  // By name; bytes_copied is derived (rows x row_bytes).
+  std::map<std::string, uint64_t> snapshot(int64_t row_bytes) const;
   void reset();
 };
 
@@ -75,7 +77,7 @@ struct GatherCounters {
 struct PrefetchRequest {
   std::vector<int64_t> ids;
   RowRange resident;
-  std::vector<uint8_t> rows;
+  std::vector<uint8_t> rows;  // filled by the prefetch thread
   bool started = false, done = false;
   bool taken = false;  // a gather waits for it
   std::exception_ptr error;
@@ -124,7 +126,8 @@ class MappedTable {
   RowCache& row_cache() { return row_cache_; }
 
   // The rows `ids` into `out` (see gather_rows), taken from a pending
-  // prefetch of the same ids when there is one.
+  // prefetch of the same ids when there is one (whose rows of resident ids
+  // are zeros: the caller fills those either way).
   void gather(const void* ids, bool ids_are_int64, int64_t n, uint8_t* out, RowRange resident);
 
   // Queues the gather of `ids` on the table's prefetch thread, after the
@@ -136,7 +139,8 @@ class MappedTable {
   // When a pending prefetch is of exactly these ids: waits for it (and for
   // those queued before it), copies its rows to `out` and returns true.
   // Otherwise returns false.
-  bool take_prefetched(const int64_t* ids, int64_t n, uint8_t* out, RowRange resident);
+  bool take_prefetched(const void* ids, bool ids_are_int64, int64_t n, uint8_t* out,
+                       RowRange resident);
 
   // Drops this table's pages from the page cache: unmaps them from this
   // process, then asks the kernel to forget the files' clean pages.  Pages

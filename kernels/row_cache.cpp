@@ -10,43 +10,41 @@ namespace ple {
 RowCache::~RowCache() { release_arena(); }
 
 void RowCache::release_arena() {
-  if (arena_ != nullptr) ::munmap(arena_, arena_bytes_);
+  if (arena_ != nullptr) ::munmap(arena_, static_cast<uint64_t>(capacity_.load()) * row_bytes_);
   arena_ = nullptr;
-  arena_bytes_ = 0;
+  capacity_ = 0;
+}
+
+void RowCache::forget_rows() {
+  slot_id_.assign(capacity_.load(), 0);
+  referenced_.assign(capacity_.load(), 0);
+  slot_of_.clear();
+  hand_ = 0;
 }
 
 void RowCache::configure(uint64_t budget_bytes, int64_t row_bytes) {
   std::lock_guard<std::mutex> lock(mutex_);
   const int64_t capacity = row_bytes > 0 ? static_cast<int64_t>(budget_bytes / row_bytes) : 0;
-  if (capacity == capacity_ && row_bytes == row_bytes_) return;
+  if (capacity == capacity_.load() && row_bytes == row_bytes_) return;
   release_arena();
   row_bytes_ = row_bytes;
-  capacity_ = 0;
-  slot_id_.clear();
-  referenced_.clear();
-  slot_of_.clear();
-  used_ = hand_ = 0;
-  if (capacity == 0) return;
-  const uint64_t bytes = static_cast<uint64_t>(capacity) * row_bytes;
-  void* arena = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-  if (arena == MAP_FAILED) throw std::bad_alloc();
-  arena_ = static_cast<uint8_t*>(arena);
-  arena_bytes_ = bytes;
-  capacity_ = capacity;
-  slot_id_.assign(capacity, -1);
-  referenced_.assign(capacity, 0);
-  slot_of_.reserve(capacity);
+  if (capacity > 0) {
+    const uint64_t bytes = static_cast<uint64_t>(capacity) * row_bytes;
+    void* arena = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (arena == MAP_FAILED) throw std::bad_alloc();
+    arena_ = static_cast<uint8_t*>(arena);
+    capacity_ = capacity;
+    slot_of_.reserve(capacity);
+  }
+  forget_rows();
 }
 
 void RowCache::clear() {
   std::lock_guard<std::mutex> lock(mutex_);
-  if (capacity_ == 0) return;
+  if (capacity_.load() == 0) return;
   // Give the pages back too: a cleared cache holds no memory.
-  ::madvise(arena_, arena_bytes_, MADV_DONTNEED);
-  slot_id_.assign(capacity_, -1);
-  referenced_.assign(capacity_, 0);
-  slot_of_.clear();
-  used_ = hand_ = 0;
+  ::madvise(arena_, static_cast<uint64_t>(capacity_.load()) * row_bytes_, MADV_DONTNEED);
+  forget_rows();
 }
 
 bool RowCache::lookup(int64_t id, uint8_t* out) {
@@ -58,17 +56,18 @@ bool RowCache::lookup(int64_t id, uint8_t* out) {
 }
 
 void RowCache::insert(int64_t id, const uint8_t* row) {
-  if (capacity_ == 0 || slot_of_.count(id) != 0) return;
+  const int64_t capacity = capacity_.load();
+  if (capacity == 0 || slot_of_.count(id) != 0) return;
   int64_t slot;
-  if (used_ < capacity_) {
-    slot = used_++;
+  if (static_cast<int64_t>(slot_of_.size()) < capacity) {
+    slot = static_cast<int64_t>(slot_of_.size());  // slots fill in order before any eviction
   } else {
     while (referenced_[hand_]) {
       referenced_[hand_] = 0;
-      hand_ = (hand_ + 1) % capacity_;
+      hand_ = (hand_ + 1) % capacity;
     }
     slot = hand_;
-    hand_ = (hand_ + 1) % capacity_;
+    hand_ = (hand_ + 1) % capacity;
     slot_of_.erase(slot_id_[slot]);
   }
   std::memcpy(arena_ + slot * row_bytes_, row, row_bytes_);

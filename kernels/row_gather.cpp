@@ -8,7 +8,6 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdint>
-#include <cstring>
 #include <memory>
 #include <string>
 #include <vector>
@@ -302,8 +301,18 @@ int64_t id_at(const void* ids, int64_t i) {
   return static_cast<int64_t>(static_cast<const Id*>(ids)[i]);
 }
 
-// Checks every id, then lists the rows the disk tier serves (ids at or above
-// outside `resident`) with their addresses, in request order.
+int64_t id_at(const void* ids, bool ids_are_int64, int64_t i) {
+  return ids_are_int64 ? id_at<int64_t>(ids, i) : id_at<int32_t>(ids, i);
+}
+
+// How many threads share `rows` rows: at most `threads`, each with at least
+// kMinRowsPerThread.
+int parts_for(int64_t threads, int64_t rows) {
+  return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(threads, rows / kMinRowsPerThread)));
+}
+
+// Checks every id, then lists the rows the disk tier serves (ids outside
+// `resident`) with their addresses, in request order.
 template <typename Id>
 void validate_and_address(const MappedTable& table, const void* ids, int64_t n,
                           RowRange resident, int parts, std::vector<RowRef>& rows) {
@@ -338,14 +347,16 @@ void validate_and_address(const MappedTable& table, const void* ids, int64_t n,
   for (const auto& mine : part_rows) rows.insert(rows.end(), mine.begin(), mine.end());
 }
 
-// Serves the rows the row cache holds and drops them from `rows`.
+// Serves the rows the row cache holds and drops them from `rows`; one lock
+// for all of them.
 void take_cached(RowCache& cache, const void* ids, bool ids_are_int64, int64_t row_bytes,
                  uint8_t* out, std::vector<RowRef>& rows) {
   std::lock_guard<std::mutex> lock(cache.mutex());
   size_t kept = 0;
   for (const RowRef& row : rows) {
-    const int64_t id = ids_are_int64 ? id_at<int64_t>(ids, row.position) : id_at<int32_t>(ids, row.position);
-    if (!cache.lookup(id, out + row.position * row_bytes)) rows[kept++] = row;
+    if (!cache.lookup(id_at(ids, ids_are_int64, row.position), out + row.position * row_bytes)) {
+      rows[kept++] = row;
+    }
   }
   rows.resize(kept);
 }
@@ -354,8 +365,7 @@ void keep_in_cache(RowCache& cache, const void* ids, bool ids_are_int64, int64_t
                    const uint8_t* out, const std::vector<RowRef>& rows) {
   std::lock_guard<std::mutex> lock(cache.mutex());
   for (const RowRef& row : rows) {
-    const int64_t id = ids_are_int64 ? id_at<int64_t>(ids, row.position) : id_at<int32_t>(ids, row.position);
-    cache.insert(id, out + row.position * row_bytes);
+    cache.insert(id_at(ids, ids_are_int64, row.position), out + row.position * row_bytes);
   }
 }
 
@@ -438,34 +448,14 @@ std::vector<int64_t> chunk_starts(const std::vector<RowRef>& rows, int64_t row_b
   return starts;
 }
 
-}  // namespace
-
-void gather_rows(MappedTable& table, const void* ids, bool ids_are_int64, int64_t n,
-                 uint8_t* out, RowRange resident) {
-  const auto t0 = std::chrono::steady_clock::now();
-  const GatherConfig config = table.config();
-  int64_t threads = config.threads;
-  if (config.policy == Policy::kWindow && config.window_bytes >= kPage) {
-    // Every thread keeps its share of the window's pages ahead: at least one.
-    threads = std::min<int64_t>(threads, config.window_bytes / kPage);
-  }
-  const int validate_parts = static_cast<int>(
-      std::max<int64_t>(1, std::min<int64_t>(threads, n / kMinRowsPerThread)));
-  std::vector<RowRef> rows;
-  if (ids_are_int64) {
-    validate_and_address<int64_t>(table, ids, n, resident, validate_parts, rows);
-  } else {
-    validate_and_address<int32_t>(table, ids, n, resident, validate_parts, rows);
-  }
+// Copies `rows` (the disk tier's, in request order) out of the files, sorted
+// by address and split among up to `threads` threads; their counters.
+std::vector<ChunkCounters> copy_from_disk(MappedTable& table, const GatherConfig& config,
+                                          int64_t threads, std::vector<RowRef>& rows,
+                                          const void* ids, bool ids_are_int64, uint8_t* out) {
   const int64_t row_bytes = table.row_bytes();
-  const uint64_t disk_rows = rows.size();
-  RowCache& cache = table.row_cache();
-  if (cache.enabled()) take_cached(cache, ids, ids_are_int64, row_bytes, out, rows);
-  const uint64_t cache_hits = disk_rows - rows.size();
-  const int parts = static_cast<int>(std::max<int64_t>(
-      1, std::min<int64_t>(threads, static_cast<int64_t>(rows.size()) / kMinRowsPerThread)));
+  const int parts = parts_for(threads, static_cast<int64_t>(rows.size()));
   sort_by_address(rows, parts);
-
   const std::vector<int64_t> starts = chunk_starts(rows, row_bytes, parts);
   const int chunks = static_cast<int>(starts.size()) - 1;
   // The window bounds the bytes at risk of reclaim for the whole gather: its
@@ -487,13 +477,40 @@ void gather_rows(MappedTable& table, const void* ids, bool ids_are_int64, int64_
       results[c] = gather.run();
     });
   } catch (const RowFault& fault) {
-    const int64_t id = ids_are_int64 ? id_at<int64_t>(ids, fault.row.position)
-                                     : id_at<int32_t>(ids, fault.row.position);
-    throw OsError(table.locate(fault.row.address) + ": row " + std::to_string(id) +
+    throw OsError(table.locate(fault.row.address) + ": row " +
+                  std::to_string(id_at(ids, ids_are_int64, fault.row.position)) +
                   " could not be read (the file is shorter than when the table was opened, "
                   "or the disk failed to read the page)");
   }
-  if (cache.enabled()) keep_in_cache(cache, ids, ids_are_int64, row_bytes, out, rows);
+  return results;
+}
+
+}  // namespace
+
+void gather_rows(MappedTable& table, const void* ids, bool ids_are_int64, int64_t n,
+                 uint8_t* out, RowRange resident) {
+  const auto t0 = std::chrono::steady_clock::now();
+  const GatherConfig config = table.config();
+  int64_t threads = config.threads;
+  if (config.policy == Policy::kWindow && config.window_bytes >= kPage) {
+    // Every thread keeps its share of the window's pages ahead: at least one.
+    threads = std::min<int64_t>(threads, config.window_bytes / kPage);
+  }
+  std::vector<RowRef> rows;
+  if (ids_are_int64) {
+    validate_and_address<int64_t>(table, ids, n, resident, parts_for(threads, n), rows);
+  } else {
+    validate_and_address<int32_t>(table, ids, n, resident, parts_for(threads, n), rows);
+  }
+  const int64_t row_bytes = table.row_bytes();
+  const uint64_t disk_rows = rows.size();
+  RowCache& cache = table.row_cache();
+  const bool cached = cache.enabled();  // once: the config may change meanwhile
+  if (cached) take_cached(cache, ids, ids_are_int64, row_bytes, out, rows);
+  const uint64_t cache_hits = disk_rows - rows.size();
+  std::vector<ChunkCounters> results;
+  if (!rows.empty()) results = copy_from_disk(table, config, threads, rows, ids, ids_are_int64, out);
+  if (cached) keep_in_cache(cache, ids, ids_are_int64, row_bytes, out, rows);
 
   GatherCounters& counters = table.counters();
   uint64_t max_ahead = 0;
@@ -509,13 +526,12 @@ void gather_rows(MappedTable& table, const void* ids, bool ids_are_int64, int64_
   uint64_t seen = counters.max_advised_ahead_bytes.load();
   while (max_ahead > seen && !counters.max_advised_ahead_bytes.compare_exchange_weak(seen, max_ahead)) {
   }
-  if (cache.enabled()) {
+  if (cached) {
     counters.row_cache_hits += cache_hits;
     counters.row_cache_misses += rows.size();
   }
   counters.calls += 1;
   counters.rows += disk_rows;
-  counters.bytes_copied += disk_rows * row_bytes;
   counters.gather_ns += std::chrono::duration_cast<std::chrono::nanoseconds>(
                             std::chrono::steady_clock::now() - t0)
                             .count();

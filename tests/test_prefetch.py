@@ -100,3 +100,13 @@ def test_prefetches_beyond_the_byte_cap_drop_the_oldest(table_and_reference):
         assert np.array_equal(rows.numpy(), reference[ids.numpy()])
     stats = table.stats()
     assert (stats["prefetch_hits"], stats["prefetch_misses"]) == (2, 1)
+
+
+def test_int32_ids_take_a_prefetch_of_the_same_values(table_and_reference):
+    table, reference = table_and_reference
+    ids = torch.arange(100, 300, dtype=torch.int32)
+    table.reset_stats()
+    table.prefetch(ids)
+    rows = table.gather_bytes(ids)
+    assert np.array_equal(rows.numpy(), reference[ids.numpy()])
+    assert (table.stats()["prefetch_hits"], table.stats()["prefetch_misses"]) == (1, 0)
