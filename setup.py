@@ -4,17 +4,16 @@
 """
 
 import sys
-from glob import glob
 
 import torch
 from setuptools import setup
 from torch.utils.cpp_extension import BuildExtension, CppExtension
 
 sys.path.insert(0, "kernels")
-from build_flags import LIBRARIES, compile_args  # noqa: E402  (ple is not installed yet)
+from build_flags import LIBRARIES, compile_args, sources  # noqa: E402  (ple is not installed yet)
 
 # kernels/native.py compiles the same files when the built module does not fit.
-SOURCES = sorted(glob("kernels/*.cpp"))
+SOURCES = sources("kernels")
 
 setup(
     packages=["ple", "ple.kernels", "ple.ops", "ple.layers"],

@@ -34,7 +34,7 @@ import triton
 import triton.language as tl
 
 from ple.formats import BLOCK_FORMATS, RowFormat
-from ple.kernels.decode_triton import check_and_grid, f32_to_bf16_rne
+from ple.kernels.decode_triton import f32_to_bf16_rne, launch_decoder
 
 # IQ4_NL's 16 non-linear levels (gguf.quants.IQ4_NL.kvalues), as int8 bytes packed
 # little-endian into two int64 words, levels 0-7 and 8-15: a lane picks its level
@@ -164,12 +164,5 @@ def decode_blocks_triton(staged: torch.Tensor, fmt: RowFormat, scale: float, out
     ``status``: an int32 word; when it is nonzero at run time every value is NaN."""
     if fmt.name not in FORMAT_NAMES:
         raise ValueError(f"no Triton block decoder for row format {fmt.name!r}")
-    block, grid = check_and_grid(staged, fmt, out)
-    if 0 in grid:
-        return out
-    if status is None:
-        status = torch.zeros(1, dtype=torch.int32, device=staged.device)
-    decode_blocks_kernel[grid](staged, status, out, out.shape[1], staged.shape[1], FMT=fmt.name,
-                               QK=fmt.block_size, BB=fmt.block_bytes, BLOCK=block,
-                               **LAUNCH_OPTIONS)
-    return out
+    return launch_decoder(decode_blocks_kernel, staged, fmt, out, status, QK=fmt.block_size,
+                          BB=fmt.block_bytes, **LAUNCH_OPTIONS)

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ple.formats import RowFormat
+from ple.formats import OUTPUT_DTYPES, RowFormat
 
 
 @triton.jit
@@ -106,7 +106,7 @@ def check_and_grid(staged: torch.Tensor, fmt: RowFormat, out: torch.Tensor
     ``fmt`` rows of ``out`` (contiguous ``[n, cols]`` float32/float16/
     bfloat16); returns the column block and the grid of a row decoder
     (the grid is empty when there is nothing to decode)."""
-    if out.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+    if out.dtype not in OUTPUT_DTYPES:
         raise ValueError(f"unsupported output dtype {out.dtype}")
     if staged.dtype != torch.uint8 or staged.dim() != 2 or not staged.is_contiguous():
         raise ValueError("staged must be a contiguous uint8 [n, row_bytes] tensor")
@@ -122,6 +122,21 @@ def check_and_grid(staged: torch.Tensor, fmt: RowFormat, out: torch.Tensor
     return block, (n, triton.cdiv(cols, block))
 
 
+def launch_decoder(kernel, staged: torch.Tensor, fmt: RowFormat, out: torch.Tensor,
+                   status: torch.Tensor | None, *args, **meta) -> torch.Tensor:
+    """Launches a row decoder ``kernel(staged, status, out, cols, row_bytes,
+    *args, FMT=, BLOCK=, **meta)`` over ``out`` after check_and_grid; a
+    missing ``status`` is a zero word.  Returns ``out``."""
+    block, grid = check_and_grid(staged, fmt, out)
+    if 0 in grid:
+        return out
+    if status is None:
+        status = torch.zeros(1, dtype=torch.int32, device=staged.device)
+    kernel[grid](staged, status, out, out.shape[1], staged.shape[1], *args, FMT=fmt.name,
+                 BLOCK=block, **meta)
+    return out
+
+
 def decode_rows_triton(staged: torch.Tensor, fmt: RowFormat, scale: float, out: torch.Tensor,
                        status: torch.Tensor | None = None) -> torch.Tensor:
     """Decode staged row ``i`` (uint8 ``[n, row_bytes]``, contiguous) into
@@ -129,11 +144,4 @@ def decode_rows_triton(staged: torch.Tensor, fmt: RowFormat, scale: float, out: 
     ``status``: an int32 word; when it is nonzero at run time every value is NaN."""
     if fmt.name not in FORMAT_NAMES:
         raise ValueError(f"no Triton decoder for row format {fmt.name!r}")
-    block, grid = check_and_grid(staged, fmt, out)
-    if 0 in grid:
-        return out
-    if status is None:
-        status = torch.zeros(1, dtype=torch.int32, device=staged.device)
-    decode_rows_kernel[grid](staged, status, out, out.shape[1], staged.shape[1], float(scale),
-                             FMT=fmt.name, BLOCK=block)
-    return out
+    return launch_decoder(decode_rows_kernel, staged, fmt, out, status, float(scale))

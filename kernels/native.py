@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from .build_flags import LIBRARIES, compile_args
+from .build_flags import LIBRARIES, compile_args, sources
 
 log = logging.getLogger("ple")
 
@@ -41,7 +41,7 @@ def _compile_now():
                 torch.__version__, build_dir)
     return cpp_extension.load(
         name=f"ple_native_{tag}",
-        sources=[str(path) for path in sorted(SOURCE_DIR.glob("*.cpp"))],
+        sources=sources(SOURCE_DIR),
         extra_cflags=compile_args(torch.__version__),
         extra_ldflags=[f"-l{library}" for library in LIBRARIES],
         build_directory=str(build_dir),

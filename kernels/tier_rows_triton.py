@@ -63,25 +63,23 @@ def assemble_rows_kernel(ids_ptr, n, out_ptr, row_bytes, device_ptr, host_ptr, s
 
 def assemble_rows_triton(ids: torch.Tensor, out: torch.Tensor, device_table: torch.Tensor | None,
                          host_table: torch.Tensor | None, staged: torch.Tensor | None,
-                         first_row: int, device_rows: int, num_rows: int, hits: torch.Tensor,
+                         first_row: int, num_rows: int, hits: torch.Tensor,
                          status_in: torch.Tensor | None, status_out: torch.Tensor) -> torch.Tensor:
     """Row ``i`` of ``out`` (uint8 ``[n, row_bytes]`` on the GPU) becomes row
-    ``ids[i]`` of the tiers: ``device_table`` holds rows ``[first_row,
-    first_row + device_rows)``, ``host_table`` (pinned) the next ones,
+    ``ids[i]`` of the tiers: ``device_table`` holds the rows from
+    ``first_row`` on, ``host_table`` (pinned) the ones after those,
     ``staged`` (pinned or on the GPU) holds, at position ``i``, the disk
     rows.  ``staged`` and ``status_in`` go together: without them every id
-    must be resident.  Adds the rows served
-    to ``hits`` (int64 ``[device, host]``); sets ``status_out`` (int32) to 1
-    on a bad id or when ``status_in`` is nonzero."""
+    must be resident.  Adds the rows served to ``hits`` (int64 ``[device,
+    host]``); sets ``status_out`` (int32) to 1 on a bad id or when
+    ``status_in`` is nonzero."""
     n, row_bytes = out.shape
     if n == 0:
         return out
     if (staged is None) != (status_in is None):
         raise ValueError("staged rows and their status come together")
-    device_count = 0 if device_table is None else device_table.shape[0]
-    host_count = 0 if host_table is None else host_table.shape[0]
-    if device_count != device_rows:
-        raise ValueError(f"the device tier holds {device_count} rows, not {device_rows}")
+    device_rows = 0 if device_table is None else device_table.shape[0]
+    host_rows = 0 if host_table is None else host_table.shape[0]
     # Absent tiers are never read (their masks are all false): any pointer will do.
     placeholder = out
     block = min(MAX_BYTES_PER_PROGRAM, triton.next_power_of_2(row_bytes))
@@ -91,7 +89,7 @@ def assemble_rows_triton(ids: torch.Tensor, out: torch.Tensor, device_table: tor
         placeholder if device_table is None else device_table,
         placeholder if host_table is None else host_table,
         placeholder if staged is None else staged,
-        first_row, device_rows, device_rows + host_count, num_rows, hits,
+        first_row, device_rows, device_rows + host_rows, num_rows, hits,
         status_out if status_in is None else status_in, status_out,
         HAS_STAGED=staged is not None, ROWS=ROWS_PER_PROGRAM, BYTES=block)
     return out

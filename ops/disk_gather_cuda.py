@@ -65,12 +65,11 @@ def disk_gather_cuda(table: Table, ids: torch.Tensor, dtype: torch.dtype) -> tor
     with torch.cuda.device(ids.device):
         if placement is not None:
             placement.captured |= capturing
-            staging.mark_captured(capturing)
             rows = torch.empty((n, table.row_bytes), dtype=torch.uint8, device=ids.device)
             tier_status = torch.zeros(1, dtype=torch.int32, device=ids.device)
             assemble_rows_triton(ids.reshape(-1), rows, placement.device_table,
                                  placement.host_table, staged if on_disk else None,
-                                 placement.first_row, placement.device_rows, table.num_rows,
+                                 placement.first_row, table.num_rows,
                                  placement.hits_on(ids.device),
                                  status if on_disk else None, tier_status)
             if not on_disk:

@@ -73,13 +73,8 @@ class StreamStaging:
             self.ids = PinnedBuffer(8 * n)
             self.rows = PinnedBuffer(self.row_bytes * n)
             self.capacity = n
-        if capturing:
-            for buffer in (self.ids, self.rows, self.status):
-                buffer.captured = True
-
-    def mark_captured(self, capturing: bool) -> None:
-        if capturing:
-            self.bad_id_flag.captured = True
+        if capturing:  # only ids and rows are ever replaced (and retired)
+            self.ids.captured = self.rows.captured = True
 
     def take_bad_id_flag(self) -> bool:
         """Whether an earlier call found a bad id on the device; clears it."""

@@ -159,8 +159,9 @@ def _read_scale(entry: TensorEntry, given: float | None) -> float:
 class Table:
     """A table whose rows stay in their files, read by ``torch.ops.ple`` operators.
 
-    Open one with :meth:`from_safetensors`.  ``handle`` is the int the operators
-    take.  Close it (or use it as a context manager) to unmap its files.
+    Open one with :meth:`from_safetensors` or :meth:`from_gguf`.  ``handle``
+    is the int the operators take.  Close it (or use it as a context manager)
+    to unmap its files.
     """
 
     def __init__(self, name: str, shards: list[TensorEntry], fmt: RowFormat, scale: float,

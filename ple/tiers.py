@@ -25,7 +25,8 @@ LOAD_CHUNK_BYTES = 64 << 20
 class Placement:
     """The rows of one table held in device and host memory."""
 
-    def __init__(self, gather_bytes: Callable[[torch.Tensor, torch.Tensor], None], row_bytes: int,
+    def __init__(self, gather_bytes: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+                 row_bytes: int,
                  device_rows: int, host_rows: int, device: torch.device | None,
                  first_row: int = 0, progress: Callable[[int, int], None] | None = None):
         self.first_row = first_row
@@ -59,6 +60,14 @@ class Placement:
             if progress is not None:
                 progress(done, total)
 
+        try:
+            self._load(load, row_bytes, device_rows, host_rows, device)
+        except BaseException:
+            self.free()  # a half-placed tier must not stay page-locked
+            raise
+
+    def _load(self, load: Callable[[int, torch.Tensor], None], row_bytes: int, device_rows: int,
+              host_rows: int, device: torch.device | None) -> None:
         chunk_rows = max(1, LOAD_CHUNK_BYTES // row_bytes)
         if device_rows:
             self.device_table = torch.empty((device_rows, row_bytes), dtype=torch.uint8, device=device)

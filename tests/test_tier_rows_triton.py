@@ -52,7 +52,7 @@ def test_assembly_picks_each_row_from_its_tier(interpreted, first_row, device_ro
     interpreted.assemble_rows_triton(
         ids, out, table[first_row:first_row + device_rows] if device_rows else None,
         table[first_row + device_rows:end] if host_rows else None,
-        staged if with_disk else None, first_row, device_rows, num_rows, hits,
+        staged if with_disk else None, first_row, num_rows, hits,
         torch.zeros(1, dtype=torch.int32) if with_disk else None, status_out)
     assert torch.equal(out, table[ids])
     assert hits.tolist() == [int(on_device.sum()), int(on_host.sum())]
@@ -69,6 +69,6 @@ def test_assembly_flags_bad_ids_and_failed_host_gathers(interpreted, bad_id, sta
     device_rows = 10 if has_disk else 100
     interpreted.assemble_rows_triton(
         ids, out, table[:device_rows], None, torch.zeros((3, 1), dtype=torch.uint8) if has_disk else None,
-        0, device_rows, 100, torch.zeros(2, dtype=torch.int64),
+        0, 100, torch.zeros(2, dtype=torch.int64),
         torch.tensor([status_in], dtype=torch.int32) if has_disk else None, status_out)
     assert status_out.item() == 1

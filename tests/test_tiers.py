@@ -111,6 +111,17 @@ def test_replacing_and_dropping_tiers(table, reference):
     assert table.placement is None
 
 
+def test_a_place_that_fails_midway_leaves_no_tiers(table, reference):
+    def interrupted(done, total):
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        table.place(host_rows=ROWS, progress=interrupted)
+    assert table.placement is None and table.resident_range == (0, 0)
+    ids = request_ids(2)
+    assert np.array_equal(table.gather_bytes(ids).numpy(), reference[ids.numpy()])
+
+
 def test_place_progress_reports_every_row(table):
     seen = []
     table.place(host_rows=ROWS, progress=lambda done, total: seen.append((done, total)))
