@@ -14,6 +14,7 @@ from pathlib import Path
 from types import ModuleType
 
 import gguf
+import torch
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -64,6 +65,25 @@ def load_interpreted(path: Path, stand_ins: dict[str, Path] | None = None) -> Mo
             os.environ.pop("TRITON_INTERPRET", None)
         else:
             os.environ["TRITON_INTERPRET"] = old_env
+
+
+# Integer views of float tensors, by element size: comparisons to the bit.
+INT_VIEW = {4: torch.int32, 2: torch.int16}
+# The targets the Triton kernels must compile for (V100, Turing, A100, H100),
+# and the output dtypes by their Triton signature names.
+COMPILE_CCS = (70, 75, 80, 90)
+OUT_SIGNATURE = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
+
+
+def dtype_id(d: torch.dtype | None) -> str:
+    """A test id for a dtype (None: the table's default)."""
+    return "default" if d is None else str(d).removeprefix("torch.")
+
+
+def compile_for_targets(script: str, names, cache_dir: Path) -> dict:
+    """compile_in_subprocess of every (target, format name, output dtype)."""
+    return compile_in_subprocess(script, [COMPILE_CCS, list(names), list(OUT_SIGNATURE.values())],
+                                 cache_dir)
 
 
 def compile_in_subprocess(script: str, args: list, cache_dir: Path) -> dict:

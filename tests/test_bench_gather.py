@@ -28,10 +28,15 @@ def run_tool(*args, timeout=300):
 
 
 @pytest.fixture(scope="module")
-def quick(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("bench_gather")
-    out = tmp / "results.json"
-    proc = run_tool("--quick", "--warm", "--table-gib", 0.0625, "--table", tmp / "table",
+def bench_table(tmp_path_factory):
+    """Where the quick runs keep their table: written by the first, reused after."""
+    return tmp_path_factory.mktemp("bench_gather") / "table"
+
+
+@pytest.fixture(scope="module")
+def quick(bench_table):
+    out = bench_table.parent / "results.json"
+    proc = run_tool("--quick", "--warm", "--table-gib", 0.0625, "--table", bench_table,
                     "--json", out)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return proc, json.loads(out.read_text())
@@ -92,9 +97,9 @@ def test_memory_limit_without_cgroup_rights_says_so(tmp_path):
     assert not (tmp_path / "table").exists()  # checked before anything is written
 
 
-def test_pressure_run_in_a_memory_cgroup(tmp_path):
+def test_pressure_run_in_a_memory_cgroup(bench_table, tmp_path):
     out = tmp_path / "results.json"
-    proc = run_tool("--quick", "--table-gib", 0.0625, "--table", tmp_path / "table",
+    proc = run_tool("--quick", "--table-gib", 0.0625, "--table", bench_table,
                     "--memory-limit", 300, "--ballast", 100, "--windows", 4096,
                     "--distance", 0, "--ceiling", "", "--no-prime", "--json", out)
     if proc.returncode != 0 and "needs a memory cgroup" in proc.stderr:

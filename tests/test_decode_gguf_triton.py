@@ -37,7 +37,8 @@ triton = pytest.importorskip("triton")
 gguf = pytest.importorskip("gguf")
 from gguf import GGMLQuantizationType  # noqa: E402
 from gguf.quants import dequantize, quantize  # noqa: E402
-from helpers import assert_runs_on_old_gpus, compile_in_subprocess, load_interpreted  # noqa: E402
+from helpers import (COMPILE_CCS, INT_VIEW, OUT_SIGNATURE, assert_runs_on_old_gpus,  # noqa: E402
+                     compile_for_targets, dtype_id, load_interpreted)
 
 import ple.kernels  # noqa: E402
 from ple.formats import BLOCK_FORMATS, FORMATS, OUTPUT_DTYPES  # noqa: E402
@@ -51,13 +52,6 @@ F16_SCALE_OFFSETS = {"q8_0": (0,), "q4_0": (0,), "iq4_nl": (0,), "q4_k": (0, 2),
 # Finite f16 scales worth having: 0, -0, smallest and largest subnormals, smallest
 # normal, largest finite, 1, -1.
 F16_SPECIAL_BITS = (0x0000, 0x8000, 0x0001, 0x83FF, 0x0400, 0x7BFF, 0xFBFF, 0x3C00, 0xBC00)
-INT_VIEW = {4: torch.int32, 2: torch.int16}
-
-
-def dtype_id(d: torch.dtype) -> str:
-    return str(d).removeprefix("torch.")
-
-
 @pytest.fixture(scope="module")
 def interp():
     """The kernel module with its kernels interpreted (helpers.load_interpreted);
@@ -201,8 +195,6 @@ def test_rejects_mismatched_shapes(interp):
 
 # --- compilation for SM70, SM75, SM80, SM90 without a GPU ------------------------
 
-COMPILE_CCS = (70, 75, 80, 90)
-OUT_SIGNATURE = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
 FMA = re.compile(r"\b(fma|mad)\.[\w.]*f(16|32)(x2)?\b")  # a fused float multiply-add
 
 COMPILE_SCRIPT = r"""
@@ -240,9 +232,7 @@ print(json.dumps(results))
 @pytest.fixture(scope="module")
 def compiled(tmp_path_factory):
     """Every (target, format, output dtype) compiled in one subprocess."""
-    return compile_in_subprocess(COMPILE_SCRIPT, [COMPILE_CCS, FORMAT_NAMES,
-                                                  list(OUT_SIGNATURE.values())],
-                                 tmp_path_factory.mktemp("triton-cache"))
+    return compile_for_targets(COMPILE_SCRIPT, FORMAT_NAMES, tmp_path_factory.mktemp("triton-cache"))
 
 
 @pytest.mark.parametrize("dtype", OUTPUT_DTYPES, ids=dtype_id)

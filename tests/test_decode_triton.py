@@ -26,18 +26,12 @@ import triton.language as tl  # noqa: E402
 import ple.kernels  # noqa: E402
 from ple.formats import FORMATS, OUTPUT_DTYPES  # noqa: E402
 from ple.kernels.decode import decode_rows  # noqa: E402
-from helpers import assert_runs_on_old_gpus, compile_in_subprocess, load_interpreted  # noqa: E402
+from helpers import (COMPILE_CCS, INT_VIEW, OUT_SIGNATURE, assert_runs_on_old_gpus,  # noqa: E402
+                     compile_for_targets, dtype_id, load_interpreted)
 
 KERNEL_FILE = Path(ple.kernels.__file__).parent / "decode_triton.py"
 FORMAT_NAMES = ("f32", "f16", "bf16", "fp8_e4m3fn", "u8", "i8")
 COLS = (1, 17, 160, 1000)
-INT_VIEW = {4: torch.int32, 2: torch.int16}
-
-
-def dtype_id(d: torch.dtype) -> str:
-    return str(d).removeprefix("torch.")
-
-
 @pytest.fixture(scope="module")
 def interp():
     """The kernel module with its kernels interpreted (helpers.load_interpreted)."""
@@ -168,8 +162,6 @@ def test_fp8_integer_decode_all_patterns(interp, monkeypatch):
 
 # --- compilation for SM70, SM75, SM80, SM90 without a GPU ------------------------
 
-COMPILE_CCS = (70, 75, 80, 90)
-OUT_SIGNATURE = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
 
 COMPILE_SCRIPT = r"""
 import json, sys, triton
@@ -198,9 +190,7 @@ print(json.dumps(results))
 @pytest.fixture(scope="module")
 def compiled(tmp_path_factory):
     """Every (target, format, output dtype) compiled in one subprocess."""
-    return compile_in_subprocess(COMPILE_SCRIPT, [COMPILE_CCS, FORMAT_NAMES,
-                                                  list(OUT_SIGNATURE.values())],
-                                 tmp_path_factory.mktemp("triton-cache"))
+    return compile_for_targets(COMPILE_SCRIPT, FORMAT_NAMES, tmp_path_factory.mktemp("triton-cache"))
 
 
 @pytest.mark.parametrize("dtype", OUTPUT_DTYPES, ids=dtype_id)

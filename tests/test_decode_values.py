@@ -14,6 +14,7 @@ import torch
 from safetensors.torch import save_file
 
 import ple
+from helpers import dtype_id
 
 COLS = 16
 ROWS = (97, 97, 77)  # three shards, 271 rows
@@ -27,10 +28,6 @@ FORMATS = {
     torch.uint8: "u8",
     torch.int8: "i8",
 }
-
-
-def dtype_id(d):
-    return "default" if d is None else str(d).removeprefix("torch.")
 
 
 def table_values(dtype: torch.dtype, rows: int, cols: int = COLS, seed: int = 0) -> torch.Tensor:
@@ -193,18 +190,14 @@ def test_single_tensor_with_scale(tmp_path):
 # --------------------------------------------------------------------------- ids
 
 
-@pytest.fixture()
-def f32_table(tmp_path):
-    full = write_family(tmp_path, torch.float32, None)
-    with ple.Table.from_safetensors(tmp_path) as table:
-        yield table, full
+@pytest.fixture(scope="module")
+def f32_table(tables):
+    return tables(torch.float32, "none")[:2]
 
 
-@pytest.fixture()
-def i8_table(tmp_path):
-    full = write_family(tmp_path, torch.int8, 0.37)
-    with ple.Table.from_safetensors(tmp_path) as table:
-        yield table, full
+@pytest.fixture(scope="module")
+def i8_table(tables):
+    return tables(torch.int8, "file")[:2]
 
 
 def test_ids_2d_shape(i8_table):

@@ -5,6 +5,7 @@ Skipped without a GPU."""
 from __future__ import annotations
 
 import gc
+import os
 
 import numpy as np
 import pytest
@@ -194,8 +195,6 @@ def test_a_bad_id_gives_nan_and_the_next_call_raises(fp8_table):
 
 
 def test_a_truncated_file_gives_nan_and_the_next_call_raises(tmp_path):
-    import os
-
     path = tmp_path / "t.safetensors"
     save_file({"t": torch.ones(20000, 160, dtype=torch.uint8)}, str(path))
     with ple.Table.from_safetensors(path) as table:

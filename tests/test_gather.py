@@ -300,16 +300,23 @@ def test_empty_ids(small, dtype, shape):
 # ---------------------------------------------------------------- counters
 
 
+def _cold_gather(big: Fixture, config: GatherConfig, seed: int) -> tuple[np.ndarray, dict]:
+    """2,000 random ids of ``big`` gathered from a cold page cache with
+    ``config``, checked against the reference; the ids and the call's stats."""
+    table = big.table
+    table.config = config
+    ids = np.random.default_rng(seed).integers(0, BIG_ROWS, 2000, dtype=np.int64)
+    table.drop_page_cache()
+    table.reset_stats()
+    assert np.array_equal(_gather(big, ids), big.reference[ids])
+    return ids, table.stats()
+
+
 @pytest.mark.parametrize("window", [4, 64])
 @pytest.mark.parametrize("threads", THREADS)
 def test_window_bounds_advice_ahead_cold(big, window, threads):
     table = big.table
-    table.config = GatherConfig("window", window, threads)
-    ids = np.random.default_rng(window + threads).integers(0, BIG_ROWS, 2000, dtype=np.int64)
-    table.drop_page_cache()
-    table.reset_stats()
-    assert np.array_equal(_gather(big, ids), big.reference[ids])
-    s = table.stats()
+    ids, s = _cold_gather(big, GatherConfig("window", window, threads), seed=window + threads)
     assert s["advised_pages"] > 0, "drop_page_cache did not make the table cold"
     assert 0 < s["max_advised_ahead_bytes"] <= window * 1024
     # 3 MB of pages and no memory pressure: no advised page is reclaimed.
@@ -354,13 +361,7 @@ def test_cold_table_reports_no_resident_pages(big, policy, window):
     should find none resident: ``resident_pages`` counts pages that were
     already in memory, not pages this gather's own copy faulted in before
     the advice loop got to them."""
-    table = big.table
-    table.config = GatherConfig(policy, window, 1)
-    ids = np.random.default_rng(17).integers(0, BIG_ROWS, 2000, dtype=np.int64)
-    table.drop_page_cache()
-    table.reset_stats()
-    assert np.array_equal(_gather(big, ids), big.reference[ids])
-    s = table.stats()
+    ids, s = _cold_gather(big, GatherConfig(policy, window, 1), seed=17)
     assert s["resident_pages"] == 0, (
         f"cold table, yet {s['resident_pages']} of {s['unique_pages']} pages counted resident "
         f"({s['advised_pages']} advised, {s['major_faults']} major faults)")
@@ -373,13 +374,7 @@ def test_cold_table_reports_no_resident_pages(big, policy, window):
 
 @pytest.mark.parametrize("threads", THREADS)
 def test_all_advises_every_cold_page(big, threads):
-    table = big.table
-    table.config = GatherConfig("all", 4, threads)
-    ids = np.random.default_rng(11 + threads).integers(0, BIG_ROWS, 2000, dtype=np.int64)
-    table.drop_page_cache()
-    table.reset_stats()
-    assert np.array_equal(_gather(big, ids), big.reference[ids])
-    s = table.stats()
+    ids, s = _cold_gather(big, GatherConfig("all", 4, threads), seed=11 + threads)
     assert s["unique_pages"] == big.expected_pages(ids)
     assert s["advised_pages"] > 0
     assert s["advised_pages"] == s["unique_pages"] - s["resident_pages"]
@@ -390,14 +385,8 @@ def test_all_advises_every_cold_page(big, threads):
 
 @pytest.mark.parametrize("policy", POLICIES)
 def test_no_advice_with_window_zero_cold(big, policy):
-    table = big.table
     window = 0 if policy != "none" else 4096
-    table.config = GatherConfig(policy, window, 1)
-    ids = np.random.default_rng(21).integers(0, BIG_ROWS, 2000, dtype=np.int64)
-    table.drop_page_cache()
-    table.reset_stats()
-    assert np.array_equal(_gather(big, ids), big.reference[ids])
-    s = table.stats()
+    ids, s = _cold_gather(big, GatherConfig(policy, window, 1), seed=21)
     assert s["advised_pages"] == 0
     assert s["max_advised_ahead_bytes"] == 0
     assert s["unique_pages"] == big.expected_pages(ids)

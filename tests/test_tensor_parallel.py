@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import save_file
 
+from helpers import write_gguf
 from ple.layers import NGramEmbedding, NGramHashing, PackedGGUFEmbedding
 from ple.layers.parallel import RowSplit, row_range
 
@@ -78,15 +79,10 @@ def tables(tmp_path_factory):
     save_file({"ngram_embedding.shard_0.weight": torch.from_numpy(raw).view(torch.float8_e4m3fn),
                "ngram_embedding.weight_scale": torch.tensor(0.25)},
               str(directory / "ngram.safetensors"))
-    writer = gguf.GGUFWriter(str(directory / "model.gguf"), "test")
-    for name, rows in (("token_embd.weight", VOCAB_ROWS), ("one_row", 1)):
-        values = rng.uniform(-1, 1, (rows, COLS)).astype(np.float32)
-        writer.add_tensor(name, gguf.quants.quantize(values, gguf.GGMLQuantizationType.Q8_0),
-                          raw_dtype=gguf.GGMLQuantizationType.Q8_0)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    q8_0 = gguf.GGMLQuantizationType.Q8_0
+    write_gguf(directory / "model.gguf", {
+        name: (gguf.quants.quantize(rng.uniform(-1, 1, (rows, COLS)).astype(np.float32), q8_0), q8_0)
+        for name, rows in (("token_embd.weight", VOCAB_ROWS), ("one_row", 1))})
     return directory
 
 

@@ -57,7 +57,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import ple  # noqa: E402
-from demo import disk_read_bytes  # noqa: E402
+from demo import disk_read_bytes, make_requests  # noqa: E402
 from make_table import PREFIX, ensure_table  # noqa: E402
 from ple.safetensors_header import read_header  # noqa: E402
 
@@ -108,11 +108,6 @@ class Layout:
         span = int((last - first).max(initial=0))
         keys += [(file << 40) | np.minimum(first + k, last) for k in range(1, span + 1)]
         return np.unique(np.concatenate(keys))
-
-
-def make_requests(num_rows: int, calls: int, rows: int, seed: int) -> list[torch.Tensor]:
-    generator = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, num_rows, (rows,), generator=generator) for _ in range(calls)]
 
 
 def major_faults() -> int:

@@ -31,6 +31,12 @@ def disk_read_bytes() -> int:
         return next(int(line.split()[1]) for line in f if line.startswith("read_bytes"))
 
 
+def make_requests(num_rows: int, calls: int, rows: int, seed: int) -> list[torch.Tensor]:
+    """``calls`` requests of ``rows`` random ids, the same for every seed."""
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, num_rows, (rows,), generator=generator) for _ in range(calls)]
+
+
 def run_arm(table: ple.Table, arm: str, requests: list[torch.Tensor], cold: bool) -> dict:
     table.config = ple.GatherConfig.from_spec(arm)
     table.reset_stats()
@@ -82,9 +88,7 @@ def main() -> None:
 
     num_rows = int(args.mib * 2**20) // args.row_bytes
     ensure_table(args.table, rows=num_rows, row_bytes=args.row_bytes)
-    generator = torch.Generator().manual_seed(args.seed)
-    requests = [torch.randint(0, num_rows, (args.rows,), generator=generator)
-                for _ in range(args.calls)]
+    requests = make_requests(num_rows, args.calls, args.rows, args.seed)
     results = []
     with ple.Table.from_safetensors(args.table, PREFIX) as table:
         print(f"{table}\n{args.calls} calls of {args.rows:,} random ids per arm; "
