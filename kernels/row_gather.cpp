@@ -273,10 +273,18 @@ class ChunkGather {
     if (k + kPrefetchRowsAhead < n_) prefetch_row(rows_[k + kPrefetchRowsAhead]);
     uint8_t* dst = out_ + rows_[k].position * row_bytes_;
     const void* src = reinterpret_cast<const void*>(rows_[k].address);
-    const bool count_evictions = watch && all_considered;
-    const uint64_t before = count_evictions ? thread_major_faults() : 0;
+    if (!(watch && all_considered)) {
+      if (!guarded_copy(dst, src, row_bytes_)) throw RowFault(rows_[k]);
+      faults_known_ = false;  // this copy may have faulted
+      return;
+    }
+    // Between two counted copies the thread only asks mincore and advises,
+    // which take no major fault: the reading after one is the one before the next.
+    const uint64_t before = faults_known_ ? faults_seen_ : thread_major_faults();
     if (!guarded_copy(dst, src, row_bytes_)) throw RowFault(rows_[k]);
-    if (count_evictions) counters_.evicted_before_copy += thread_major_faults() - before;
+    faults_seen_ = thread_major_faults();
+    faults_known_ = true;
+    counters_.evicted_before_copy += faults_seen_ - before;
   }
 
   const RowRef* rows_;
@@ -290,6 +298,8 @@ class ChunkGather {
   std::unique_ptr<ResidencyProbe> residency_;
   uint64_t advised_ahead_ = 0;
   size_t copied_pages_ = 0;  // the pages before this one were copied while warm
+  uint64_t faults_seen_ = 0;  // this thread's major faults after the last counted copy
+  bool faults_known_ = false;
   ChunkCounters counters_;
 };
 
