@@ -224,7 +224,7 @@ for cc in json.loads(sys.argv[1]):
         for out in json.loads(sys.argv[3]):
             results[f"{cc}-{name}-{out}"] = build(cc, name, out, LAUNCH_OPTIONS)
 # The same Q4_K kernel with fusion on: shows the FMA check below can see one.
-results["fused-q4_k"] = build(70, "q4_k", "fp32", {**LAUNCH_OPTIONS, "enable_fp_fusion": True})
+results["fused-q4_k"] = build(75, "q4_k", "fp32", {**LAUNCH_OPTIONS, "enable_fp_fusion": True})
 print(json.dumps(results))
 """
 

@@ -87,6 +87,16 @@ def assert_same_bits(got: torch.Tensor, want: torch.Tensor) -> None:
     assert torch.equal(bits(got.cpu()), bits(want.cpu()))
 
 
+def assert_same_bits_but_nan(got: torch.Tensor, want: torch.Tensor) -> None:
+    """assert_same_bits for outputs of two devices: NaN need only be NaN there,
+    because a NaN's sign and payload follow each device's arithmetic (the fp8
+    table holds NaN bytes; the GPU's multiply by the scale returns its own NaN)."""
+    got, want = got.cpu(), want.cpu()
+    assert got.dtype == want.dtype and got.shape == want.shape
+    assert torch.equal(got.isnan(), want.isnan())
+    assert torch.equal(bits(got[~got.isnan()]), bits(want[~want.isnan()]))
+
+
 @pytest.fixture(scope="module")
 def ngram_layers(ngram_checkpoint):
     directory, _ = ngram_checkpoint
@@ -265,8 +275,8 @@ def test_cuda_equals_cpu(ngram_checkpoint, gguf_file, dtype):
             batch = requests_batch(seed, num_tokens=200)
             on_gpu = layer(*(tensor.cuda() for tensor in batch))
             assert on_gpu.is_cuda
-            assert_same_bits(on_gpu, layer(*batch))
-            assert_same_bits(embedding(batch[0].cuda()), embedding(batch[0]))
+            assert_same_bits_but_nan(on_gpu, layer(*batch))
+            assert_same_bits_but_nan(embedding(batch[0].cuda()), embedding(batch[0]))
 
 
 @cuda
@@ -276,7 +286,7 @@ def test_cuda_prefetch(ngram_layers):
     expected = layer(*batch)
     layer.table.reset_stats()
     layer.prefetch(*batch)
-    assert_same_bits(layer(*(tensor.cuda() for tensor in batch)), expected)
+    assert_same_bits_but_nan(layer(*(tensor.cuda() for tensor in batch)), expected)
     assert layer.table.stats()["prefetch_hits"] == 1
 
 

@@ -1,6 +1,6 @@
 """GPU benchmark of torch.ops.ple.disk_gather: 160 B FP8 rows decoded to
 bfloat16, for a decode step (16 rows) and a 2,048-token prefill chunk of 16
-heads (32,768 rows), warm and cold.
+heads (32,768 rows), warm and cold, and with the table placed in tiers.
 
     python tools/bench_gpu.py [--mib 1024] [--calls 50]
 
@@ -9,7 +9,9 @@ Per case it prints the median time per call of the operator in eager mode
 replayed in a CUDA graph, its parts (host gather, host-to-device copy,
 kernel), and a plain PyTorch baseline (NumPy fancy indexing of a memmap,
 torch.from_numpy, .to("cuda"), decode in torch); then the pinned
-host-to-device and device-to-device copy bandwidths.
+host-to-device and device-to-device copy bandwidths.  Then the operator with
+the table all on disk, in thirds (device, host, disk), all in pinned host
+memory, and all on the device.
 """
 
 from __future__ import annotations
@@ -65,6 +67,38 @@ def device_us(fn, calls: int) -> float:
 def bandwidth_gbs(src: torch.Tensor, dst: torch.Tensor, calls: int = 20) -> float:
     us = device_us(lambda: dst.copy_(src, non_blocking=True), calls)
     return src.numel() * src.element_size() / us / 1e3
+
+
+# Tier splits, as (device, host) fractions of the table; the rest is on disk.
+TIER_SPLITS = {"disk": (0, 0), "thirds": (1 / 3, 1 / 3), "host": (0, 1), "device": (1, 0)}
+
+
+def tier_rows(table, num_rows: int, calls: int, gen: torch.Generator, device) -> list[dict]:
+    """Median eager time of the operator (warm page cache) with each split
+    of TIER_SPLITS placed, for each request size; the output must not change."""
+    results = []
+    requests = {n: [torch.randint(0, num_rows, (n,), generator=gen).to(device) for _ in range(calls)]
+                for n in SIZES}
+    expected = {n: torch.ops.ple.disk_gather(r[0], table.handle, torch.bfloat16)
+                for n, r in requests.items()}
+    for split, (device_part, host_part) in TIER_SPLITS.items():
+        device_rows = int(num_rows * device_part)
+        host_rows = min(int(num_rows * host_part), num_rows - device_rows)
+        start = time.perf_counter()
+        table.place(device_rows=device_rows, host_rows=host_rows, device=device)
+        row = {"split": split, "device_rows": device_rows, "host_rows": host_rows,
+               "place_s": time.perf_counter() - start}
+        for n, cuda_requests in requests.items():
+            got = torch.ops.ple.disk_gather(cuda_requests[0], table.handle, torch.bfloat16)
+            assert torch.equal(got.view(torch.int16), expected[n].view(torch.int16)), \
+                f"split {split} changed the rows"
+            row[f"{n}_us"] = median_us(
+                lambda i: torch.ops.ple.disk_gather(cuda_requests[i], table.handle, torch.bfloat16),
+                calls)
+        results.append(row)
+        print(f"  tiers {split} done", file=sys.stderr)
+    table.place()
+    return results
 
 
 def main() -> None:
@@ -147,6 +181,8 @@ def main() -> None:
                 results.append(row)
                 print(f"  {state} {n} rows done", file=sys.stderr)
 
+        tiers = tier_rows(table, num_rows, args.calls, gen, device)
+
         big = 256 << 20
         host = PinnedBuffer(big)
         dev_a, dev_b = torch.empty(big, dtype=torch.uint8, device=device), torch.empty(
@@ -164,6 +200,11 @@ def main() -> None:
         print(f"{r['state']:<5} {r['rows']:>6} " + " ".join(f"{r[c]:>15.1f}" for c in cols)
               + f" {r['baseline_us'] / best:>7.1f}x")
     print("native_us: mean time inside the native gather (host_gather_us less Python)")
+    print(f"\ntiers (warm, eager, median us): {'split':<7} {'device_rows':>12} {'host_rows':>12} "
+          f"{'place_s':>8} " + " ".join(f"{n:>9}" for n in SIZES))
+    for r in tiers:
+        print(f"{'':<30} {r['split']:<7} {r['device_rows']:>12,} {r['host_rows']:>12,} "
+              f"{r['place_s']:>8.1f} " + " ".join(f"{r[f'{n}_us']:>9.1f}" for n in SIZES))
     print(f"\npinned host-to-device copy: {h2d:.1f} GB/s; device-to-device copy: {d2d:.1f} GB/s "
           f"(ratio {d2d / h2d:.1f}); speedup = baseline / best eager")
 
