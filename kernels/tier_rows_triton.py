@@ -6,7 +6,8 @@ decoder then reads the assembled rows as if they had all come from disk.
 It also counts the rows each tier served, and checks the ids against the
 table: with every row resident no host gather runs to do it.  A bad id, or a
 failed host gather (``status_in``), sets ``status_out``, and the decoder
-then writes NaN for the whole call.
+then writes NaN for the whole call; a bad id also sets ``report``, a pinned
+word the host reads (and clears) at its next call.
 
 Only imported where triton is available.
 """
@@ -24,8 +25,8 @@ MAX_BYTES_PER_PROGRAM = 1024
 @triton.jit
 def assemble_rows_kernel(ids_ptr, n, out_ptr, row_bytes, device_ptr, host_ptr, staged_ptr,
                          first_row, device_rows, tier_rows, num_rows, hits_ptr,
-                         status_in_ptr, status_out_ptr, HAS_STAGED: tl.constexpr,
-                         ROWS: tl.constexpr, BYTES: tl.constexpr):
+                         status_in_ptr, status_out_ptr, report_ptr, HAS_STAGED: tl.constexpr,
+                         REPORT: tl.constexpr, ROWS: tl.constexpr, BYTES: tl.constexpr):
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     in_call = rows < n
     ids = tl.load(ids_ptr + rows, mask=in_call, other=0).to(tl.int64)
@@ -57,6 +58,10 @@ def assemble_rows_kernel(ids_ptr, n, out_ptr, row_bytes, device_ptr, host_ptr, s
         tl.atomic_add(hits_ptr + first, 1, mask=on_device)
         tl.atomic_add(hits_ptr + 1 + first, 1, mask=on_host)
         tl.atomic_max(status_out_ptr + first, 1, mask=bad)
+        if REPORT:
+            # Set, never cleared here: a good call enqueued before the host
+            # read the word must not erase the report of a bad one.
+            tl.store(report_ptr + first, 1, mask=bad)
         if HAS_STAGED:
             tl.atomic_max(status_out_ptr, tl.load(status_in_ptr))
 
@@ -64,7 +69,8 @@ def assemble_rows_kernel(ids_ptr, n, out_ptr, row_bytes, device_ptr, host_ptr, s
 def assemble_rows_triton(ids: torch.Tensor, out: torch.Tensor, device_table: torch.Tensor | None,
                          host_table: torch.Tensor | None, staged: torch.Tensor | None,
                          first_row: int, num_rows: int, hits: torch.Tensor,
-                         status_in: torch.Tensor | None, status_out: torch.Tensor) -> torch.Tensor:
+                         status_in: torch.Tensor | None, status_out: torch.Tensor,
+                         report: torch.Tensor | None = None) -> torch.Tensor:
     """Row ``i`` of ``out`` (uint8 ``[n, row_bytes]`` on the GPU) becomes row
     ``ids[i]`` of the tiers: ``device_table`` holds the rows from
     ``first_row`` on, ``host_table`` (pinned) the ones after those,
@@ -72,7 +78,8 @@ def assemble_rows_triton(ids: torch.Tensor, out: torch.Tensor, device_table: tor
     rows.  ``staged`` and ``status_in`` go together: without them every id
     must be resident.  Adds the rows served to ``hits`` (int64 ``[device,
     host]``); sets ``status_out`` (int32) to 1 on a bad id or when
-    ``status_in`` is nonzero."""
+    ``status_in`` is nonzero, and ``report`` (int32, when given) to 1 on a
+    bad id."""
     n, row_bytes = out.shape
     if n == 0:
         return out
@@ -91,5 +98,6 @@ def assemble_rows_triton(ids: torch.Tensor, out: torch.Tensor, device_table: tor
         placeholder if staged is None else staged,
         first_row, device_rows, device_rows + host_rows, num_rows, hits,
         status_out if status_in is None else status_in, status_out,
-        HAS_STAGED=staged is not None, ROWS=ROWS_PER_PROGRAM, BYTES=block)
+        status_out if report is None else report,
+        HAS_STAGED=staged is not None, REPORT=report is not None, ROWS=ROWS_PER_PROGRAM, BYTES=block)
     return out

@@ -71,10 +71,9 @@ def disk_gather_cuda(table: Table, ids: torch.Tensor, dtype: torch.dtype) -> tor
                                  placement.host_table, staged if on_disk else None,
                                  placement.first_row, table.num_rows,
                                  placement.hits_on(ids.device),
-                                 status if on_disk else None, tier_status)
-            if not on_disk:
-                # No host gather checked these ids: the next call learns of a bad one from here.
-                staging.bad_id_flag.bytes[:4].view(torch.int32).copy_(tier_status, non_blocking=True)
+                                 status if on_disk else None, tier_status,
+                                 # No host gather checks these ids: the next call learns of a bad one here.
+                                 None if on_disk else staging.bad_id_flag.bytes[:4].view(torch.int32))
             staged, status = rows, tier_status
         decode = decode_blocks_triton if table.row_format.is_block else decode_rows_triton
         decode(staged, table.row_format, table.scale, out.view(n, table.cols), status=status)

@@ -203,6 +203,9 @@ def test_corrupt_headers_raise_or_open_never_hang(gguf_file, tmp_path):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("host_rows", [0, 20])
 def test_cuda_rows_equal_the_cpu_rows(gguf_file, name, dtype, host_rows):
+    from ple.kernels import decode_gguf_triton
+    # The kernel the operator launches is compiled (TRITON_INTERPRET was unset when it loaded).
+    assert type(decode_gguf_triton.decode_blocks_kernel).__name__ == "JITFunction"
     path, _ = gguf_file
     ids = torch.from_numpy(rng.integers(0, ROWS, (3, 41)))
     with ple.Table.from_gguf(path, name) as table:

@@ -72,3 +72,19 @@ def test_assembly_flags_bad_ids_and_failed_host_gathers(interpreted, bad_id, sta
         0, 100, torch.zeros(2, dtype=torch.int64),
         torch.tensor([status_in], dtype=torch.int32) if has_disk else None, status_out)
     assert status_out.item() == 1
+
+
+def test_a_bad_id_is_reported_and_a_good_call_does_not_clear_it(interpreted):
+    table = torch.arange(100, dtype=torch.uint8).reshape(100, 1)
+    report = torch.zeros(1, dtype=torch.int32)
+
+    def assemble(ids):
+        status_out = torch.zeros(1, dtype=torch.int32)
+        interpreted.assemble_rows_triton(ids, torch.empty((len(ids), 1), dtype=torch.uint8), table,
+                                         None, None, 0, 100, torch.zeros(2, dtype=torch.int64),
+                                         None, status_out, report)
+        return status_out.item()
+
+    assert assemble(torch.tensor([3, 7])) == 0 and report.item() == 0
+    assert assemble(torch.tensor([3, 100])) == 1 and report.item() == 1
+    assert assemble(torch.tensor([3, 7])) == 0 and report.item() == 1

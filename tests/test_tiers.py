@@ -267,6 +267,23 @@ def test_cuda_bad_id_with_everything_resident_gives_nan_then_raises(table):
 
 
 @needs_gpu
+def test_cuda_bad_id_is_still_reported_after_a_good_call_queued_behind_it(table):
+    """Both calls are queued before the stream runs either (the stream sleeps
+    first): the good call's kernel must not erase the bad call's report."""
+    table.place(device_rows=ROWS)
+    good = torch.tensor([1], device="cuda")
+    torch.ops.ple.disk_gather(good, table.handle)  # compile outside the timed part
+    torch.cuda.synchronize()
+    torch.cuda._sleep(100_000_000)  # tens of ms on any GPU: the host runs ahead
+    bad_values = torch.ops.ple.disk_gather(torch.tensor([1, ROWS], device="cuda"), table.handle)
+    good_values = torch.ops.ple.disk_gather(good, table.handle)
+    torch.cuda.synchronize()
+    assert bool(bad_values.isnan().all()) and not bool(good_values.isnan().any())
+    with pytest.raises(RuntimeError, match=rf"an id was out of range \[0, {ROWS}\)"):
+        torch.ops.ple.disk_gather(good, table.handle)
+
+
+@needs_gpu
 @pytest.mark.parametrize("device_rows, host_rows", [(500, 700), (ROWS, 0)])
 def test_cuda_graph_replays_with_tiers(table, device_rows, host_rows):
     table.place(device_rows=device_rows, host_rows=host_rows)
