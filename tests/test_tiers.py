@@ -271,14 +271,17 @@ def test_cuda_bad_id_is_still_reported_after_a_good_call_queued_behind_it(table)
     """Both calls are queued before the stream runs either (the stream sleeps
     first): the good call's kernel must not erase the bad call's report."""
     table.place(device_rows=ROWS)
-    good = torch.tensor([1], device="cuda")
-    torch.ops.ple.disk_gather(good, table.handle)  # compile outside the timed part
+    good, bad = torch.tensor([1], device="cuda"), torch.tensor([1, ROWS], device="cuda")
+    torch.ops.ple.disk_gather(good, table.handle)  # compile before the stream is held up
     torch.cuda.synchronize()
-    torch.cuda._sleep(100_000_000)  # tens of ms on any GPU: the host runs ahead
-    bad_values = torch.ops.ple.disk_gather(torch.tensor([1, ROWS], device="cuda"), table.handle)
+    # Tens of ms on any GPU, while the host queues both calls (nothing below
+    # waits for the stream before the synchronize).
+    torch.cuda._sleep(100_000_000)
+    bad_values = torch.ops.ple.disk_gather(bad, table.handle)
     good_values = torch.ops.ple.disk_gather(good, table.handle)
     torch.cuda.synchronize()
-    assert bool(bad_values.isnan().all()) and not bool(good_values.isnan().any())
+    assert bool(bad_values.isnan().all())
+    assert same_values(good_values, torch.ops.ple.disk_gather(good.cpu(), table.handle))
     with pytest.raises(RuntimeError, match=rf"an id was out of range \[0, {ROWS}\)"):
         torch.ops.ple.disk_gather(good, table.handle)
 
