@@ -322,24 +322,26 @@ int parts_for(int64_t threads, int64_t rows) {
 }
 
 // Checks every id, then lists the rows the disk tier serves (ids outside
-// `resident`) with their addresses, in request order.
+// `resident`) with their addresses, in request order.  Each thread writes its
+// slice's rows in place; the gaps that resident ids leave are closed after.
 template <typename Id>
 void validate_and_address(const MappedTable& table, const void* ids, int64_t n,
                           RowRange resident, int parts, std::vector<RowRef>& rows) {
   const int64_t num_rows = table.num_rows();
   std::vector<int64_t> first_bad(parts, -1);
-  std::vector<std::vector<RowRef>> part_rows(parts);
+  std::vector<int64_t> kept(parts, 0);
+  rows.resize(n);
   run_parallel(parts, [&](int p) {
-    std::vector<RowRef>& mine = part_rows[p];
-    mine.reserve(slice_begin(n, parts, p + 1) - slice_begin(n, parts, p));
+    int64_t next = slice_begin(n, parts, p);
     for (int64_t i = slice_begin(n, parts, p); i < slice_begin(n, parts, p + 1); ++i) {
       const int64_t id = id_at<Id>(ids, i);
       if (id < 0 || id >= num_rows) {
         first_bad[p] = i;
         return;
       }
-      if (!resident.contains(id)) mine.push_back({reinterpret_cast<uintptr_t>(table.row_address(id)), i});
+      if (!resident.contains(id)) rows[next++] = {reinterpret_cast<uintptr_t>(table.row_address(id)), i};
     }
+    kept[p] = next - slice_begin(n, parts, p);
   });
   for (const int64_t i : first_bad) {
     if (i < 0) continue;
@@ -347,14 +349,13 @@ void validate_and_address(const MappedTable& table, const void* ids, int64_t n,
                             std::to_string(i) + " is out of range [0, " +
                             std::to_string(num_rows) + ")");
   }
-  if (parts == 1) {
-    rows.swap(part_rows[0]);
-    return;
+  int64_t end = kept[0];
+  for (int p = 1; p < parts; ++p) {
+    const int64_t begin = slice_begin(n, parts, p);
+    if (end != begin) std::copy(rows.begin() + begin, rows.begin() + begin + kept[p], rows.begin() + end);
+    end += kept[p];
   }
-  size_t total = 0;
-  for (const auto& mine : part_rows) total += mine.size();
-  rows.reserve(total);
-  for (const auto& mine : part_rows) rows.insert(rows.end(), mine.begin(), mine.end());
+  rows.resize(end);
 }
 
 // Serves the rows the row cache holds and drops them from `rows`; one lock

@@ -77,6 +77,20 @@ def test_tiers_from_a_first_row(table, reference, first_row, host_rows):
     assert stats["rows"] == ids.numel() - int(resident.sum())
 
 
+@pytest.mark.parametrize("threads", [3, 8])
+def test_threads_leave_out_the_resident_ids_and_keep_request_order(table, reference, threads):
+    """Each thread lists its slice's disk rows in place; the gaps the resident
+    ids leave between slices are closed in order."""
+    table.config = ple.GatherConfig(threads=threads)
+    table.place(host_rows=600, first_row=700)
+    table.reset_stats()
+    ids = request_ids(threads, n=4000)
+    ids[:2000] = torch.arange(700, 1300).repeat(4)[:2000]  # the first slices all resident
+    assert np.array_equal(table.gather_bytes(ids).numpy(), reference[ids.numpy()])
+    resident = (ids >= 700) & (ids < 1300)
+    assert table.stats()["rows"] == ids.numel() - int(resident.sum())
+
+
 def test_int32_ids_and_shapes_through_the_operator(table, reference):
     table.place(host_rows=700)
     ids = request_ids(3, 60).to(torch.int32).reshape(3, 4, 5)
