@@ -55,11 +55,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import ple  # noqa: E402
-from demo import disk_read_bytes, make_requests  # noqa: E402
-from make_table import PREFIX, ensure_table  # noqa: E402
-from ple.safetensors_header import read_header  # noqa: E402
+import ple
+from demo import disk_read_bytes, make_requests
+from make_table import PREFIX, ensure_table
+from ple.safetensors_header import read_header
 
 PAGE = mmap.PAGESIZE
 MiB = 2**20

@@ -25,13 +25,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import ple  # noqa: E402
-from make_table import PREFIX, ensure_table  # noqa: E402
-from ple.kernels.decode_triton import decode_rows_triton  # noqa: E402
-from ple.ops import disk_gather_cuda  # noqa: E402
-from ple.safetensors_header import read_header  # noqa: E402
-from ple.staging import PinnedBuffer  # noqa: E402
+import ple
+from make_table import PREFIX, ensure_table
+from ple.kernels.decode_triton import decode_rows_triton
+from ple.ops import disk_gather_cuda
+from ple.safetensors_header import read_header
+from ple.staging import PinnedBuffer
 
 ROW_BYTES = 160
 SIZES = (16, 32768)

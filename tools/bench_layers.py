@@ -24,10 +24,9 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from demo import disk_read_bytes  # noqa: E402
-from make_table import PREFIX, ensure_table  # noqa: E402
-from ple.layers import NGramEmbedding  # noqa: E402
+from demo import disk_read_bytes
+from make_table import PREFIX, ensure_table
+from ple.layers import NGramEmbedding
 
 VOCAB_SIZE = 262_144
 EOS_ID = 1

@@ -18,9 +18,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import ple  # noqa: E402
-from make_table import PREFIX, ensure_table  # noqa: E402
+import ple
+from make_table import PREFIX, ensure_table
 
 ARMS = ("none", "all", "distance:4096", "window:256", "window:4096")
 

@@ -8,6 +8,7 @@ layout of the reference n-gram checkpoint: ``<prefix>.shard_{i}.weight`` and a
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 from pathlib import Path
@@ -55,22 +56,28 @@ def write_table(directory: Path, *, rows: int, row_bytes: int = 160, shards: int
     return paths
 
 
-def ensure_table(directory: Path, *, rows: int, row_bytes: int = 160, **kwargs) -> None:
-    """Writes the table unless `directory` already holds one of this size."""
-    import ple
+LAYOUT_FILE = "layout.json"
 
-    if directory.is_dir() and any(directory.glob("*.safetensors")):
-        try:
-            with ple.Table.from_safetensors(directory, PREFIX) as table:
-                if (table.num_rows, table.row_bytes) == (rows, row_bytes):
-                    return
-        except (OSError, ValueError):
-            pass
-        for old in directory.glob("*.safetensors"):
-            old.unlink()
+
+def ensure_table(directory: Path, *, rows: int, row_bytes: int = 160, shards: int = 8,
+                 files: int = 4, seed: int = 0) -> None:
+    """Writes the table unless `directory` holds one written with these very
+    arguments (its layout file, written last, says so: a table cut short by
+    an interrupted write is written again)."""
+    layout = {"rows": rows, "row_bytes": row_bytes, "shards": shards, "files": files, "seed": seed}
+    marker = directory / LAYOUT_FILE
+    try:
+        if json.loads(marker.read_text()) == layout:
+            return
+    except (OSError, ValueError):
+        pass
+    marker.unlink(missing_ok=True)
+    for old in directory.glob("*.safetensors"):
+        old.unlink()
     print(f"writing a table of {rows:,} rows of {row_bytes} B "
           f"({rows * row_bytes / 2**20:.0f} MiB) in {directory}", file=sys.stderr)
-    write_table(directory, rows=rows, row_bytes=row_bytes, **kwargs)
+    write_table(directory, **layout)
+    marker.write_text(json.dumps(layout))
 
 
 def main() -> None:
