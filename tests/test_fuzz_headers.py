@@ -98,6 +98,20 @@ def _hang_guard(seconds: int = HANG_SECONDS):
         signal.signal(signal.SIGALRM, previous)
 
 
+def _open_or_named_error(open_table, path: Path, call: str, must_open: bool = False):
+    """The table ``open_table()`` opens, or None when it raised ValueError or
+    OSError naming ``path``; any other exception fails the test."""
+    try:
+        return open_table()
+    except (ValueError, OSError) as error:
+        assert not must_open, f"a valid file did not open: {error}"
+        assert str(path) in str(error), f"{type(error).__name__} does not name the file: {error}"
+        return None
+    except Exception as error:  # noqa: BLE001  (the failure these tests look for)
+        raise AssertionError(f"{call} raised {type(error).__name__}, not ValueError/OSError: "
+                             f"{error}") from error
+
+
 def _rows_in_file(raw: bytes, table: ple.Table) -> np.ndarray:
     """The table's rows read straight from the file's bytes, by our own reading
     of the header (the same JSON the table was opened from)."""
@@ -121,16 +135,10 @@ def _check(raw: bytes, kind: str) -> None:
         path.write_bytes(raw)
         for tensor in (None, INTENDED[kind]):
             with _hang_guard():
-                try:
-                    table = ple.Table.from_safetensors(path, tensor)
-                except (ValueError, OSError) as error:
-                    assert str(path) in str(error), (
-                        f"{type(error).__name__} does not name the file: {error}")
+                table = _open_or_named_error(lambda: ple.Table.from_safetensors(path, tensor), path,
+                                             f"from_safetensors({tensor!r})")
+                if table is None:
                     continue
-                except Exception as error:  # noqa: BLE001  (the failure this test looks for)
-                    raise AssertionError(
-                        f"from_safetensors({tensor!r}) raised {type(error).__name__}, not "
-                        f"ValueError/OSError: {error}") from error
                 with table:
                     ids = torch.arange(table.num_rows)
                     got = table.gather_bytes(ids)
@@ -605,17 +613,10 @@ def _check_gguf(raw: bytes, kind: str, must_open: bool = False, names=None) -> N
         path.write_bytes(raw)
         for tensor in names or GGUF_TABLES[kind]:
             with _hang_guard():
-                try:
-                    table = ple.Table.from_gguf(path, tensor)
-                except (ValueError, OSError) as error:
-                    assert not must_open, f"a valid file did not open: {error}"
-                    assert str(path) in str(error), (
-                        f"{type(error).__name__} does not name the file: {error}")
+                table = _open_or_named_error(lambda: ple.Table.from_gguf(path, tensor), path,
+                                             f"from_gguf({tensor!r})", must_open)
+                if table is None:
                     continue
-                except Exception as error:  # noqa: BLE001  (the failure this test looks for)
-                    raise AssertionError(
-                        f"from_gguf({tensor!r}) raised {type(error).__name__}, not "
-                        f"ValueError/OSError: {error}") from error
                 with table:
                     ids = torch.arange(table.num_rows)
                     got = table.gather_bytes(ids)
