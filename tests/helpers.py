@@ -1,6 +1,6 @@
-"""What several test modules need: GGUF files written with gguf's writer,
-Triton kernel modules loaded under the interpreter, and kernels compiled for
-old GPUs in a subprocess."""
+"""What several test modules need: byte tables written as safetensors files,
+GGUF files written with gguf's writer, Triton kernel modules loaded under the
+interpreter, and kernels compiled for old GPUs in a subprocess."""
 
 from __future__ import annotations
 
@@ -8,16 +8,106 @@ import importlib.util
 import json
 import os
 import re
+import struct
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 
 import gguf
+import numpy as np
 import pytest
 import torch
+from safetensors.torch import save_file
+
+import ple
 
 REPO = Path(__file__).resolve().parents[1]
+PAGE = os.sysconf("SC_PAGESIZE")
+
+
+@dataclass
+class ByteTable:
+    """A U8 table (a row's values are its bytes) and where its rows lie in
+    its files, read from the headers without ple."""
+    table: ple.Table
+    reference: np.ndarray  # [num_rows, row_bytes] uint8
+    row_file: np.ndarray  # index of each row's file in the table's files
+    row_offset: np.ndarray  # byte offset of each row in its file
+
+    @property
+    def row_bytes(self) -> int:
+        return self.reference.shape[1]
+
+    @property
+    def num_rows(self) -> int:
+        return self.reference.shape[0]
+
+    def expected_pages(self, ids) -> int:
+        """Distinct PAGE-sized file pages under the rows ``ids``."""
+        pages = set()
+        for i in np.unique(np.asarray(ids).reshape(-1)).tolist():
+            f, offset = int(self.row_file[i]), int(self.row_offset[i])
+            pages.update((f, p) for p in range(offset // PAGE, (offset + self.row_bytes - 1) // PAGE + 1))
+        return len(pages)
+
+
+def tensor_offsets(path: Path) -> dict[str, int]:
+    """File offset of each tensor's first byte, from the header: an 8-byte
+    little-endian length, the JSON, then the data."""
+    with open(path, "rb") as f:
+        (length,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(length))
+    return {name: 8 + length + info["data_offsets"][0]
+            for name, info in header.items() if name != "__metadata__"}
+
+
+def write_byte_table(paths: list[Path], shard_rows: list[int], row_bytes: int, *, seed: int,
+                     shard_file: list[int] | None = None, pads: tuple[int, ...] = (),
+                     family: bool = True, tensor: str | None = None,
+                     config: ple.GatherConfig | None = None) -> ByteTable:
+    """Random U8 shards of ``shard_rows`` rows, shard i in
+    ``paths[shard_file[i]]`` (by default they alternate), as the shard family
+    ``t.shard_{i}.weight`` or, with ``family=False``, as one tensor ``t``.
+    File f also holds a 1-D ``pad{f}`` tensor of ``pads[f]`` bytes (none when
+    0 or absent) that moves the rows off page alignment.  A file that would
+    hold no rows is not written.  Files are fsynced: written pages are dirty,
+    and drop_page_cache could not make the table cold.  Opened with
+    ``tensor`` and ``config``."""
+    rng = np.random.default_rng(seed)
+    shards = [rng.integers(0, 256, (n, row_bytes), dtype=np.uint8) for n in shard_rows]
+    names = [f"t.shard_{i}.weight" for i in range(len(shards))] if family else ["t"]
+    assert len(names) == len(shards), "one shard unless it is a family"
+    if shard_file is None:
+        shard_file = [i % len(paths) for i in range(len(shards))]
+    contents: list[dict[str, torch.Tensor]] = [{} for _ in paths]
+    for f, pad in enumerate(pads):
+        if pad:
+            contents[f][f"pad{f}"] = torch.from_numpy(rng.integers(0, 256, pad, dtype=np.uint8))
+    for name, shard, f in zip(names, shards, shard_file):
+        contents[f][name] = torch.from_numpy(shard)
+    written, where = [], {}
+    for path, tensors in zip(paths, contents):
+        if not any(not name.startswith("pad") for name in tensors):
+            continue
+        save_file(tensors, str(path))
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        for name, offset in tensor_offsets(path).items():
+            where[name] = (len(written), offset)
+        written.append(path)
+    row_file, row_offset = [], []
+    for name, n in zip(names, shard_rows):
+        f, start = where[name]
+        row_file += [f] * n
+        row_offset += [start + r * row_bytes for r in range(n)]
+    table = ple.Table.from_safetensors(written, tensor, config)
+    return ByteTable(table, np.concatenate(shards), np.array(row_file, dtype=np.int64),
+                     np.array(row_offset, dtype=np.int64))
 
 
 def write_gguf(path, tensors: dict) -> None:

@@ -17,9 +17,7 @@ tests/test_fuzz_gather.py`` searches longer.
 
 from __future__ import annotations
 
-import json
 import os
-import struct
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,9 +29,9 @@ from hypothesis import strategies as st
 from safetensors.torch import save_file
 
 import ple
+from helpers import PAGE, ByteTable, write_byte_table
 from ple import GatherConfig
 
-PAGE = os.sysconf("SC_PAGESIZE")
 POLICIES = ("window", "distance", "all", "none")
 WINDOWS_KIB = (0, 4, 64, 4096, 1 << 40)  # 1 << 40 KiB: larger than any request
 
@@ -43,15 +41,6 @@ WINDOWS_KIB = (0, 4, 64, 4096, 1 << 40)  # 1 << 40 KiB: larger than any request
 FUZZ = settings(max_examples=int(os.environ.get("PLE_FUZZ_EXAMPLES", 40)), deadline=None,
                 database=None, derandomize="PLE_FUZZ_EXAMPLES" not in os.environ,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
-
-
-def _offsets(path: Path) -> dict[str, int]:
-    """File offset of each tensor's first byte, read from the header without ple."""
-    with open(path, "rb") as f:
-        (length,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(length))
-    return {name: 8 + length + info["data_offsets"][0]
-            for name, info in header.items() if name != "__metadata__"}
 
 
 # ---------------------------------------------------------------- the byte gather
@@ -88,49 +77,10 @@ def geometries(draw) -> Geometry:
                     draw(st.integers(0, 2**32 - 1)), draw(st.booleans()))
 
 
-@dataclass
-class Written:
-    table: ple.Table
-    reference: np.ndarray  # [num_rows, row_bytes] uint8
-    row_file: np.ndarray  # file index of each row
-    row_offset: np.ndarray  # byte offset of each row in its file
-
-    def expected_pages(self, ids: np.ndarray) -> int:
-        """Distinct file pages under the rows ``ids``."""
-        row_bytes = self.reference.shape[1]
-        pages = set()
-        for i in np.unique(ids).tolist():
-            f, off = int(self.row_file[i]), int(self.row_offset[i])
-            pages.update((f, p) for p in range(off // PAGE, (off + row_bytes - 1) // PAGE + 1))
-        return len(pages)
-
-
-def _write(g: Geometry, directory: Path) -> Written:
-    rng = np.random.default_rng(g.seed)
-    shards = [rng.integers(0, 256, (n, g.row_bytes), dtype=np.uint8) for n in g.shard_rows]
-    names = ([f"t.shard_{i}.weight" for i in range(len(shards))] if g.family else ["t"])
-    contents: list[dict[str, torch.Tensor]] = [{}, {}]
-    for f, pad in enumerate(g.pads):
-        if pad:
-            contents[f][f"pad{f}"] = torch.from_numpy(rng.integers(0, 256, pad, dtype=np.uint8))
-    for name, shard, f in zip(names, shards, g.shard_file):
-        contents[f][name] = torch.from_numpy(shard)
-    files, where = [], {}
-    for f, tensors in enumerate(contents):
-        if not any(not n.startswith("pad") for n in tensors):
-            continue  # a file holding none of the table's shards is left out
-        path = directory / f"part{f}.safetensors"
-        save_file(tensors, str(path))
-        for name, offset in _offsets(path).items():
-            where[name] = (len(files), offset)
-        files.append(path)
-    row_file, row_offset = [], []
-    for name, n in zip(names, g.shard_rows):
-        f, start = where[name]
-        row_file += [f] * n
-        row_offset += [start + r * g.row_bytes for r in range(n)]
-    table = ple.Table.from_safetensors(files, "t" if g.name_tensor else None)
-    return Written(table, np.concatenate(shards), np.array(row_file), np.array(row_offset))
+def _write(g: Geometry, directory: Path) -> ByteTable:
+    return write_byte_table([directory / "part0.safetensors", directory / "part1.safetensors"],
+                            g.shard_rows, g.row_bytes, seed=g.seed, shard_file=g.shard_file,
+                            pads=g.pads, family=g.family, tensor="t" if g.name_tensor else None)
 
 
 @st.composite

@@ -7,23 +7,17 @@ its raw bytes and the reference is simply the random array that was written.
 
 from __future__ import annotations
 
-import json
-import os
-import struct
 import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from safetensors.torch import save_file
 
-import ple
+from helpers import ByteTable, write_byte_table
 from ple import GatherConfig
 
-PAGE = os.sysconf("SC_PAGESIZE")
 SHARD_ROWS = (97, 97, 77)
 NUM_ROWS = sum(SHARD_ROWS)  # 271
 BOUNDARY_ROWS = (0, NUM_ROWS - 1, 96, 97, 193, 194)
@@ -43,78 +37,15 @@ COUNTER_KEYS = {
 # ---------------------------------------------------------------- helpers
 
 
-def _save(tensors: dict[str, np.ndarray], path: Path) -> None:
-    save_file({k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in tensors.items()}, str(path))
-    # Written pages are dirty and survive POSIX_FADV_DONTNEED; flush them so
-    # that drop_page_cache really makes the table cold.
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _tensor_offsets(path: Path) -> dict[str, int]:
-    """Byte offset in the file of each tensor's first byte, read from the
-    header independently of ple: 8-byte LE length, JSON, then the data."""
-    with open(path, "rb") as f:
-        (length,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(length))
-    start = 8 + length
-    return {name: start + info["data_offsets"][0]
-            for name, info in header.items() if name != "__metadata__"}
-
-
-@dataclass
-class Fixture:
-    table: ple.Table
-    reference: np.ndarray  # [num_rows, row_bytes] uint8
-    row_file: np.ndarray  # file index of each row
-    row_offset: np.ndarray  # byte offset of each row in its file
-
-    @property
-    def row_bytes(self) -> int:
-        return self.reference.shape[1]
-
-    @property
-    def num_rows(self) -> int:
-        return self.reference.shape[0]
-
-    def expected_pages(self, ids) -> int:
-        """Distinct PAGE-sized file pages under the rows ``ids``."""
-        ids = np.unique(np.asarray(ids).reshape(-1))
-        pages = set()
-        for f, off in zip(self.row_file[ids].tolist(), self.row_offset[ids].tolist()):
-            for p in range(off // PAGE, (off + self.row_bytes - 1) // PAGE + 1):
-                pages.add((f, p))
-        return len(pages)
-
-
-def _sharded_fixture(directory: Path, row_bytes: int, seed: int) -> Fixture:
+def _sharded_fixture(directory: Path, row_bytes: int, seed: int) -> ByteTable:
     """Shard family ``t.shard_{0,1,2}.weight`` of 97, 97, 77 rows: shards 0
     and 2 in a.safetensors, shard 1 in b.safetensors, each file also holding a
     small 1-D tensor that shifts the shards off page alignment."""
-    rng = np.random.default_rng(seed)
-    shards = [rng.integers(0, 256, (n, row_bytes), dtype=np.uint8) for n in SHARD_ROWS]
-    files = [directory / "a.safetensors", directory / "b.safetensors"]
-    contents = [
-        {"pad_a": rng.integers(0, 256, 13, dtype=np.uint8),
-         "t.shard_0.weight": shards[0], "t.shard_2.weight": shards[2]},
-        {"pad_b": rng.integers(0, 256, 1001, dtype=np.uint8), "t.shard_1.weight": shards[1]},
-    ]
-    where = {}
-    for i, (path, tensors) in enumerate(zip(files, contents)):
-        _save(tensors, path)
-        for name, offset in _tensor_offsets(path).items():
-            where[name] = (i, offset)
-    row_file, row_offset = [], []
-    for s, n in enumerate(SHARD_ROWS):
-        file_index, start = where[f"t.shard_{s}.weight"]
-        row_file += [file_index] * n
-        row_offset += [start + r * row_bytes for r in range(n)]
-    table = ple.Table.from_safetensors(files, config=GatherConfig(threads=1))
-    assert table.num_rows == NUM_ROWS and table.row_bytes == row_bytes
-    return Fixture(table, np.concatenate(shards), np.array(row_file), np.array(row_offset))
+    fx = write_byte_table([directory / "a.safetensors", directory / "b.safetensors"],
+                          list(SHARD_ROWS), row_bytes, seed=seed, pads=(13, 1001),
+                          config=GatherConfig(threads=1))
+    assert fx.table.num_rows == NUM_ROWS and fx.table.row_bytes == row_bytes
+    return fx
 
 
 def _request(rng: np.random.Generator, num_rows: int = NUM_ROWS, n: int = REQUEST) -> np.ndarray:
@@ -127,7 +58,7 @@ def _request(rng: np.random.Generator, num_rows: int = NUM_ROWS, n: int = REQUES
     return ids
 
 
-def _gather(fx: Fixture, ids) -> np.ndarray:
+def _gather(fx: ByteTable, ids) -> np.ndarray:
     out = fx.table.gather_bytes(torch.as_tensor(ids))
     assert out.dtype == torch.uint8
     assert tuple(out.shape) == (*np.shape(ids), fx.row_bytes)
@@ -138,7 +69,7 @@ def _gather(fx: Fixture, ids) -> np.ndarray:
 
 
 @pytest.fixture(scope="module", params=ROW_BYTES, ids=lambda b: f"row_bytes={b}")
-def sharded(request, tmp_path_factory) -> Fixture:
+def sharded(request, tmp_path_factory) -> ByteTable:
     row_bytes = request.param
     fx = _sharded_fixture(tmp_path_factory.mktemp(f"sharded{row_bytes}"), row_bytes, row_bytes)
     yield fx
@@ -146,7 +77,7 @@ def sharded(request, tmp_path_factory) -> Fixture:
 
 
 @pytest.fixture(scope="module")
-def small(tmp_path_factory) -> Fixture:
+def small(tmp_path_factory) -> ByteTable:
     fx = _sharded_fixture(tmp_path_factory.mktemp("small"), 160, 12345)
     yield fx
     fx.table.close()
@@ -156,20 +87,14 @@ BIG_ROWS, BIG_ROW_BYTES = 20000, 160  # ~3.2 MB: enough pages to be cold
 
 
 @pytest.fixture(scope="module")
-def big(tmp_path_factory) -> Fixture:
+def big(tmp_path_factory) -> ByteTable:
     """A single (non-sharded) 2-D tensor table."""
-    directory = tmp_path_factory.mktemp("big")
-    rng = np.random.default_rng(7)
-    data = rng.integers(0, 256, (BIG_ROWS, BIG_ROW_BYTES), dtype=np.uint8)
-    path = directory / "big.safetensors"
-    _save({"big": data, "other_1d": rng.integers(0, 256, 333, dtype=np.uint8)}, path)
-    start = _tensor_offsets(path)["big"]
-    table = ple.Table.from_safetensors(path, config=GatherConfig(threads=1))
-    assert table.num_rows == BIG_ROWS and table.row_bytes == BIG_ROW_BYTES
-    fx = Fixture(table, data, np.zeros(BIG_ROWS, dtype=np.int64),
-                 start + np.arange(BIG_ROWS, dtype=np.int64) * BIG_ROW_BYTES)
+    fx = write_byte_table([tmp_path_factory.mktemp("big") / "big.safetensors"], [BIG_ROWS],
+                          BIG_ROW_BYTES, seed=7, family=False, pads=(333,),
+                          config=GatherConfig(threads=1))
+    assert fx.table.num_rows == BIG_ROWS and fx.table.row_bytes == BIG_ROW_BYTES
     yield fx
-    table.close()
+    fx.table.close()
 
 
 # ---------------------------------------------------------------- bytes
@@ -300,7 +225,7 @@ def test_empty_ids(small, dtype, shape):
 # ---------------------------------------------------------------- counters
 
 
-def _cold_gather(big: Fixture, config: GatherConfig, seed: int) -> tuple[np.ndarray, dict]:
+def _cold_gather(big: ByteTable, config: GatherConfig, seed: int) -> tuple[np.ndarray, dict]:
     """2,000 random ids of ``big`` gathered from a cold page cache with
     ``config``, checked against the reference; the ids and the call's stats."""
     table = big.table

@@ -27,7 +27,6 @@ import gc
 import os
 import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -36,6 +35,7 @@ import torch
 from safetensors.torch import save_file
 
 import ple
+from helpers import ByteTable, write_byte_table
 from ple import GatherConfig
 
 LOAD_SECONDS = float(os.environ.get("PLE_LOAD_SECONDS", 3))
@@ -43,33 +43,17 @@ THREADS = 16
 MAX_REQUEST = 3000
 
 
-@dataclass
-class LoadTable:
-    table: ple.Table
-    reference: np.ndarray  # [num_rows, row_bytes] uint8
-
-
 def _write(directory: Path, name: str, shard_rows: list[int], row_bytes: int,
-           config: GatherConfig, seed: int) -> LoadTable:
-    """A U8 table (its values are its bytes): one tensor, or a shard family
-    whose shards alternate between two files behind a small padding tensor."""
-    rng = np.random.default_rng(seed)
-    shards = [rng.integers(0, 256, (n, row_bytes), dtype=np.uint8) for n in shard_rows]
-    if len(shards) == 1:
-        files = [directory / f"{name}.safetensors"]
-        save_file({"t": torch.from_numpy(shards[0]),
-                   "pad": torch.from_numpy(rng.integers(0, 256, 37, dtype=np.uint8))},
-                  str(files[0]))
-    else:
-        files = [directory / f"{name}_{f}.safetensors" for f in range(2)]
-        for f, path in enumerate(files):
-            tensors = {f"t.shard_{i}.weight": torch.from_numpy(s)
-                       for i, s in enumerate(shards) if i % 2 == f}
-            tensors[f"pad{f}"] = torch.from_numpy(rng.integers(0, 256, 101 + f, dtype=np.uint8))
-            save_file(tensors, str(path))
-    table = ple.Table.from_safetensors(files, "t", config)
-    assert table.shard_rows == shard_rows and table.row_bytes == row_bytes
-    return LoadTable(table, np.concatenate(shards))
+           config: GatherConfig, seed: int) -> ByteTable:
+    """One tensor in one file, or a shard family whose shards alternate
+    between two files, each behind a small padding tensor."""
+    family = len(shard_rows) > 1
+    paths = ([directory / f"{name}_{f}.safetensors" for f in range(2)] if family
+             else [directory / f"{name}.safetensors"])
+    written = write_byte_table(paths, shard_rows, row_bytes, seed=seed, family=family,
+                               pads=(101, 102) if family else (37,), tensor="t", config=config)
+    assert written.table.shard_rows == shard_rows and written.table.row_bytes == row_bytes
+    return written
 
 
 @pytest.fixture(scope="module")
@@ -86,7 +70,7 @@ def tables(tmp_path_factory):
         t.table.close()
 
 
-def _hammer(tables: list[LoadTable], on_cuda: bool = False) -> None:
+def _hammer(tables: list[ByteTable], on_cuda: bool = False) -> None:
     """THREADS threads gather from ``tables`` for LOAD_SECONDS; then each table's
     counters must equal the calls and rows the threads made of it."""
     for t in tables:
