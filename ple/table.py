@@ -135,10 +135,13 @@ def _check_shards(name: str, shards: list[TensorEntry]) -> None:
                          f"supported row format ({', '.join(BY_SAFETENSORS_DTYPE)})")
     if first.shape[1] == 0:
         raise ValueError(f"{first.path}: tensor {first.name!r} has rows of no values")
-    row_bytes = BY_SAFETENSORS_DTYPE[first.dtype].row_bytes(first.shape[1])
+    _check_row_bytes(f"{first.path}: tensor {first.name!r}",
+                     BY_SAFETENSORS_DTYPE[first.dtype].row_bytes(first.shape[1]))
+
+
+def _check_row_bytes(tensor: str, row_bytes: int) -> None:
     if row_bytes > MAX_ROW_BYTES:
-        raise ValueError(f"{first.path}: tensor {first.name!r} has rows of {row_bytes} bytes, "
-                         f"more than {MAX_ROW_BYTES}")
+        raise ValueError(f"{tensor} has rows of {row_bytes} bytes, more than {MAX_ROW_BYTES}")
 
 
 def _read_scale(entry: TensorEntry, given: float | None) -> float:
@@ -236,9 +239,7 @@ class Table:
         if entry.nbytes != rows * fmt.row_bytes(cols):
             raise ValueError(f"{path}: tensor {tensor!r}: {entry.nbytes} bytes of data, but "
                              f"{rows} rows of {fmt.row_bytes(cols)} bytes")
-        if fmt.row_bytes(cols) > MAX_ROW_BYTES:  # only a table of no rows gets here
-            raise ValueError(f"{path}: tensor {tensor!r} has rows of {fmt.row_bytes(cols)} "
-                             f"bytes, more than {MAX_ROW_BYTES}")
+        _check_row_bytes(f"{path}: tensor {tensor!r}", fmt.row_bytes(cols))  # only with no rows
         return cls(tensor, [entry], fmt, 1.0, config or GatherConfig())
 
     @property

@@ -687,3 +687,14 @@ def test_default_config(tmp_path):
     f = write(tmp_path / "t.safetensors", {"t": torch.randn(3, 4)})
     with ple.Table.from_safetensors(f) as table:
         assert table.config == GatherConfig()
+
+
+@pytest.mark.parametrize("header, message", [
+    ({"t": {"dtype": "U8", "shape": [0, 2**50], "data_offsets": [0, 0]}},
+     f"has rows of {2**50} bytes, more than {2**48}"),
+    ({"t": {"dtype": "F32", "shape": [3, 0], "data_offsets": [0, 0]}}, "has rows of no values"),
+])
+def test_rows_too_wide_or_of_no_values(tmp_path, header, message):
+    f = write_raw(tmp_path / "t.safetensors", header)
+    with raises_naming(ValueError, f, "tensor 't'", message):
+        ple.Table.from_safetensors(f)
