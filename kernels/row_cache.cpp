@@ -26,17 +26,27 @@ void RowCache::configure(uint64_t budget_bytes, int64_t row_bytes) {
   std::lock_guard<std::mutex> lock(mutex_);
   const int64_t capacity = row_bytes > 0 ? static_cast<int64_t>(budget_bytes / row_bytes) : 0;
   if (capacity == capacity_.load() && row_bytes == row_bytes_) return;
-  release_arena();
-  row_bytes_ = row_bytes;
+  // Everything that can fail comes first: a budget that cannot be had leaves
+  // the cache as it was.
+  std::vector<int64_t> slot_id(capacity, 0);
+  std::vector<uint8_t> referenced(capacity, 0);
+  std::unordered_map<int64_t, int64_t> slot_of;
+  slot_of.reserve(capacity);
+  uint8_t* arena = nullptr;
   if (capacity > 0) {
-    const uint64_t bytes = static_cast<uint64_t>(capacity) * row_bytes;
-    void* arena = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-    if (arena == MAP_FAILED) throw std::bad_alloc();
-    arena_ = static_cast<uint8_t*>(arena);
-    capacity_ = capacity;
-    slot_of_.reserve(capacity);
+    void* mapped = ::mmap(nullptr, static_cast<uint64_t>(capacity) * row_bytes, PROT_READ | PROT_WRITE,
+                          MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (mapped == MAP_FAILED) throw std::bad_alloc();
+    arena = static_cast<uint8_t*>(mapped);
   }
-  forget_rows();
+  release_arena();
+  arena_ = arena;
+  row_bytes_ = row_bytes;
+  slot_id_.swap(slot_id);
+  referenced_.swap(referenced);
+  slot_of_.swap(slot_of);
+  hand_ = 0;
+  capacity_ = capacity;
 }
 
 void RowCache::clear() {

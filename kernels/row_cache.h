@@ -21,7 +21,8 @@ class RowCache {
   RowCache(const RowCache&) = delete;
   RowCache& operator=(const RowCache&) = delete;
 
-  // Sets the budget and drops every cached row.  0 turns the cache off.
+  // Sets the budget and drops every cached row.  0 turns the cache off.  A
+  // budget that cannot be had throws std::bad_alloc and changes nothing.
   void configure(uint64_t budget_bytes, int64_t row_bytes);
   void clear();
   bool enabled() const { return capacity_.load() > 0; }

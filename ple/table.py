@@ -186,7 +186,7 @@ class Table:
             [str(p) for p in self.paths], [file_index[s.path] for s in shards],
             [s.offset for s in shards], self.shard_rows, self.row_bytes)
         self._config = config
-        self._push_config()
+        self._push_config(config)
         _open_tables[self._handle] = self
 
     @classmethod
@@ -261,11 +261,10 @@ class Table:
     def config(self, config: GatherConfig) -> None:
         if not isinstance(config, GatherConfig):
             raise TypeError(f"config must be a ple.GatherConfig, not {type(config).__name__}")
-        self._config = config
-        self._push_config()
+        self._push_config(config)
+        self._config = config  # only once the native side took it
 
-    def _push_config(self) -> None:
-        c = self._config
+    def _push_config(self, c: GatherConfig) -> None:
         native.configure(self.handle, c.policy, c.prefetch_window_kib * 1024, c.threads,
                          c.row_cache_mib << 20)
 

@@ -16,6 +16,7 @@ import torch
 from safetensors.torch import save_file
 
 import ple
+from helpers import write_byte_table
 
 ROWS, ROW_BYTES = 2000, 160
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -181,19 +182,33 @@ def test_cache_serves_repeated_rows_with_the_same_bytes(table, reference):
     assert stats["rows"] == 2 * ids.numel()
 
 
-def test_a_small_cache_evicts_and_never_changes_bytes(table, reference):
-    table.config = ple.GatherConfig(row_cache_mib=0)
-    calls = [request_ids(seed, 700) for seed in range(10, 20)]
-    without = [table.gather_bytes(ids) for ids in calls]
-    # 1 MiB holds 6553 rows of 160 B: ask for a budget smaller than the table.
-    table.config = ple.GatherConfig(row_cache_mib=1)
-    table.reset_stats()
-    for _ in range(2):
-        for ids, expected in zip(calls, without):
-            assert torch.equal(table.gather_bytes(ids), expected)
-    stats = table.stats()
+def test_a_small_cache_evicts_and_never_changes_bytes(tmp_path):
+    # 1 MiB, the smallest budget, holds 256 of these 4 KiB rows: a quarter of the table.
+    wide = write_byte_table([tmp_path / "wide.safetensors"], [1024], 4096, seed=5, family=False)
+    with wide.table as table:
+        rng = np.random.default_rng(5)
+        calls = [torch.from_numpy(rng.integers(0, 1024, 300)) for _ in range(8)]
+        table.config = ple.GatherConfig(row_cache_mib=1)
+        for _ in range(2):
+            for ids in calls:
+                assert np.array_equal(table.gather_bytes(ids).numpy(), wide.reference[ids.numpy()])
+        stats = table.stats()
     assert stats["row_cache_hits"] + stats["row_cache_misses"] == 2 * sum(i.numel() for i in calls)
     assert stats["row_cache_hits"] > 0
+    # More misses than distinct rows: rows were evicted and read again.
+    assert stats["row_cache_misses"] > len(np.unique(torch.cat(calls).numpy()))
+
+
+def test_a_budget_that_cannot_be_had_changes_nothing(table):
+    table.config = ple.GatherConfig(row_cache_mib=1)
+    ids = request_ids(9, 100)
+    table.gather_bytes(ids)
+    with pytest.raises(MemoryError):
+        table.config = ple.GatherConfig(row_cache_mib=1 << 40)
+    assert table.config.row_cache_mib == 1
+    table.reset_stats()
+    table.gather_bytes(ids)
+    assert table.stats()["row_cache_hits"] == ids.numel()
 
 
 def test_cache_sits_behind_the_tiers(table, reference):
