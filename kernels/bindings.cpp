@@ -31,9 +31,11 @@ void configure(int64_t handle, const std::string& policy, uint64_t window_bytes,
 
 // ids: contiguous int32/int64 CPU tensor; out: contiguous uint8 CPU tensor of
 // ids.numel() * row_bytes bytes.  The caller (ops/) checks shapes and dtypes,
-// and fills the rows of ids in [resident_begin, resident_end) from its tiers.
-void gather(int64_t handle, const torch::Tensor& ids, torch::Tensor& out, int64_t resident_begin,
-            int64_t resident_end) {
+// and fills the rows of ids in `resident` from its tiers.  `for_tiers`: the
+// rows are being read into the tiers, so no prefetch serves them and the row
+// cache neither serves nor keeps them.
+void read_rows(int64_t handle, const torch::Tensor& ids, torch::Tensor& out, ple::RowRange resident,
+               bool for_tiers) {
   TORCH_CHECK(ids.device().is_cpu() && ids.is_contiguous(), "ids must be a contiguous CPU tensor");
   TORCH_CHECK(ids.scalar_type() == torch::kInt64 || ids.scalar_type() == torch::kInt32,
               "ids must be int32 or int64");
@@ -46,7 +48,11 @@ void gather(int64_t handle, const torch::Tensor& ids, torch::Tensor& out, int64_
   uint8_t* out_data = out.data_ptr<uint8_t>();
   const bool is_int64 = ids.scalar_type() == torch::kInt64;
   py::gil_scoped_release no_gil;
-  table->gather(id_data, is_int64, ids.numel(), out_data, {resident_begin, resident_end});
+  if (for_tiers) {
+    ple::gather_rows(*table, id_data, is_int64, ids.numel(), out_data, resident, /*use_row_cache=*/false);
+  } else {
+    table->gather(id_data, is_int64, ids.numel(), out_data, resident);
+  }
 }
 
 void prefetch(int64_t handle, const torch::Tensor& ids, int64_t resident_begin,
@@ -69,7 +75,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("open_table", &open_table, "Maps a table's shards; returns its handle");
   m.def("close_table", &ple::unregister_table, "Forgets a handle; unmaps when no gather holds it");
   m.def("configure", &configure, "Sets policy, window (bytes), threads and row cache (bytes)");
-  m.def("gather", &gather, "Copies rows ids of a table into out");
+  m.def(
+      "gather",
+      [](int64_t handle, const torch::Tensor& ids, torch::Tensor& out, int64_t resident_begin,
+         int64_t resident_end) { read_rows(handle, ids, out, {resident_begin, resident_end}, false); },
+      "Copies rows ids of a table into out");
+  m.def(
+      "read_for_tiers",
+      [](int64_t handle, const torch::Tensor& ids, torch::Tensor& out) {
+        read_rows(handle, ids, out, {0, 0}, true);
+      },
+      "Copies rows ids into out for the tiers: no prefetch, no row cache");
   m.def("stats", [](int64_t h) {
     auto table = ple::find_table(h);
     return table->counters().snapshot(table->row_bytes());

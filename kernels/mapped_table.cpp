@@ -153,7 +153,7 @@ MappedTable::~MappedTable() {
 void MappedTable::gather(const void* ids, bool ids_are_int64, int64_t n, uint8_t* out,
                          RowRange resident) {
   if (take_prefetched(ids, ids_are_int64, n, out, resident)) return;
-  gather_rows(*this, ids, ids_are_int64, n, out, resident);
+  gather_rows(*this, ids, ids_are_int64, n, out, resident, /*use_row_cache=*/true);
 }
 
 void MappedTable::prefetch(std::vector<int64_t> ids, RowRange resident) {
@@ -202,7 +202,7 @@ void MappedTable::run_prefetches() {
     try {
       next->rows.resize(next->ids.size() * row_bytes_);
       gather_rows(*this, next->ids.data(), true, next->ids.size(), next->rows.data(),
-                  next->resident);
+                  next->resident, /*use_row_cache=*/true);
     } catch (...) {
       error = std::current_exception();
     }

@@ -173,7 +173,9 @@ void unregister_table(int64_t handle);
 // request at out + i * row_bytes.  Validates every id before writing.  Ids
 // in `resident` live in the device and host tiers, which the caller reads:
 // their rows in `out` are left as they were, and they are not counted.
+// `use_row_cache`: look the rows up in the row cache and keep the ones read
+// (false for rows that are about to become resident).
 void gather_rows(MappedTable& table, const void* ids, bool ids_are_int64,
-                 int64_t n, uint8_t* out, RowRange resident);
+                 int64_t n, uint8_t* out, RowRange resident, bool use_row_cache);
 
 }  // namespace ple

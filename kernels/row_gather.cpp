@@ -499,7 +499,7 @@ std::vector<ChunkCounters> copy_from_disk(MappedTable& table, const GatherConfig
 }  // namespace
 
 void gather_rows(MappedTable& table, const void* ids, bool ids_are_int64, int64_t n,
-                 uint8_t* out, RowRange resident) {
+                 uint8_t* out, RowRange resident, bool use_row_cache) {
   const auto t0 = std::chrono::steady_clock::now();
   const GatherConfig config = table.config();
   int64_t threads = config.threads;
@@ -516,7 +516,7 @@ void gather_rows(MappedTable& table, const void* ids, bool ids_are_int64, int64_
   const int64_t row_bytes = table.row_bytes();
   const uint64_t disk_rows = rows.size();
   RowCache& cache = table.row_cache();
-  const bool cached = cache.enabled();  // once: the config may change meanwhile
+  const bool cached = use_row_cache && cache.enabled();  // once: the config may change meanwhile
   if (cached) take_cached(cache, ids, ids_are_int64, row_bytes, out, rows);
   const uint64_t cache_hits = disk_rows - rows.size();
   std::vector<ChunkCounters> results;

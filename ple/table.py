@@ -304,7 +304,9 @@ class Table:
                 device = torch.device("cuda", torch.cuda.current_device())
         self._retire_placement()
         if device_rows or host_rows:
-            self.placement = Placement(lambda ids, out: self.gather_bytes(ids, out=out),
+            # Read past the row cache: these rows are about to be resident, and
+            # would only push rows the cache should serve out of it.
+            self.placement = Placement(lambda ids, out: native.read_for_tiers(self.handle, ids, out),
                                        self.row_bytes, device_rows, host_rows,
                                        device if device_rows else None, first_row, progress)
 

@@ -25,15 +25,13 @@ LOAD_CHUNK_BYTES = 64 << 20
 class Placement:
     """The rows of one table held in device and host memory."""
 
-    def __init__(self, gather_bytes: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-                 row_bytes: int,
+    def __init__(self, read_rows: Callable[[torch.Tensor, torch.Tensor], None], row_bytes: int,
                  device_rows: int, host_rows: int, device: torch.device | None,
                  first_row: int = 0, progress: Callable[[int, int], None] | None = None):
         self.first_row = first_row
         self.device_rows = device_rows
         self.host_rows = host_rows
         self.device = device
-        self.row_bytes = row_bytes
         self.device_table: torch.Tensor | None = None
         self._pinned: PinnedBuffer | None = None
         self.host_table: torch.Tensor | None = None
@@ -48,43 +46,42 @@ class Placement:
             for in_use in {device, torch.device("cuda", torch.cuda.current_device())} - {None}:
                 self.hits_on(in_use)
         self.captured = False  # a CUDA graph reads the tiers: they live until the table closes
-
-        total = device_rows + host_rows
-        done = 0
-
-        def load(first: int, out: torch.Tensor) -> None:
-            nonlocal done
-            gather_bytes(torch.arange(first_row + first, first_row + first + out.shape[0],
-                                      dtype=torch.int64), out)
-            done += out.shape[0]
-            if progress is not None:
-                progress(done, total)
-
         try:
-            self._load(load, row_bytes, device_rows, host_rows, device)
+            self._load(read_rows, row_bytes, progress)
         except BaseException:
             self.free()  # a half-placed tier must not stay page-locked
             raise
 
-    def _load(self, load: Callable[[int, torch.Tensor], None], row_bytes: int, device_rows: int,
-              host_rows: int, device: torch.device | None) -> None:
+    def _load(self, read_rows: Callable[[torch.Tensor, torch.Tensor], None], row_bytes: int,
+              progress: Callable[[int, int], None] | None) -> None:
+        """Reads the tiers' rows, LOAD_CHUNK_BYTES at a time; device rows go
+        through a host buffer of that size."""
+        total = self.device_rows + self.host_rows
         chunk_rows = max(1, LOAD_CHUNK_BYTES // row_bytes)
-        if device_rows:
-            self.device_table = torch.empty((device_rows, row_bytes), dtype=torch.uint8, device=device)
-            staging = torch.empty((min(chunk_rows, device_rows), row_bytes), dtype=torch.uint8)
-            for first in range(0, device_rows, chunk_rows):
-                rows = staging[: min(chunk_rows, device_rows - first)]
-                load(first, rows)
+
+        def read(first: int, out: torch.Tensor) -> None:  # tier rows [first, first + len(out))
+            begin = self.first_row + first
+            read_rows(torch.arange(begin, begin + out.shape[0], dtype=torch.int64), out)
+            if progress is not None:
+                progress(first + out.shape[0], total)
+
+        if self.device_rows:
+            self.device_table = torch.empty((self.device_rows, row_bytes), dtype=torch.uint8,
+                                            device=self.device)
+            staging = torch.empty((min(chunk_rows, self.device_rows), row_bytes), dtype=torch.uint8)
+            for first in range(0, self.device_rows, chunk_rows):
+                rows = staging[: min(chunk_rows, self.device_rows - first)]
+                read(first, rows)
                 self.device_table[first:first + rows.shape[0]].copy_(rows)
-        if host_rows:
+        if self.host_rows:
             if torch.cuda.is_available():
-                self._pinned = PinnedBuffer(host_rows * row_bytes)
-                flat = self._pinned.bytes[: host_rows * row_bytes]
+                self._pinned = PinnedBuffer(self.host_rows * row_bytes)
+                flat = self._pinned.bytes[: self.host_rows * row_bytes]
             else:
-                flat = torch.empty(host_rows * row_bytes, dtype=torch.uint8)
-            self.host_table = flat.view(host_rows, row_bytes)
-            for first in range(0, host_rows, chunk_rows):
-                load(device_rows + first, self.host_table[first:first + chunk_rows])
+                flat = torch.empty(self.host_rows * row_bytes, dtype=torch.uint8)
+            self.host_table = flat.view(self.host_rows, row_bytes)
+            for first in range(0, self.host_rows, chunk_rows):
+                read(self.device_rows + first, self.host_table[first:first + chunk_rows])
 
     @property
     def resident_range(self) -> tuple[int, int]:

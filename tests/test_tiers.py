@@ -224,6 +224,22 @@ def test_cache_sits_behind_the_tiers(table, reference):
     assert stats["host_tier_hits"] == 2 * (ids.numel() - disk)
 
 
+def test_placing_tiers_reads_past_the_row_cache(table):
+    """The rows read into the tiers neither come from the cache nor go into
+    it: the rows the cache held still hit after a place."""
+    table.config = ple.GatherConfig(row_cache_mib=1)
+    disk_ids = torch.arange(1500, 1600)
+    table.gather_bytes(disk_ids)
+    before = table.stats()
+    table.place(host_rows=1000)
+    after = table.stats()
+    assert (after["row_cache_hits"], after["row_cache_misses"]) == (
+        before["row_cache_hits"], before["row_cache_misses"])
+    table.reset_stats()
+    table.gather_bytes(disk_ids)
+    assert table.stats()["row_cache_hits"] == disk_ids.numel()
+
+
 def test_drop_page_cache_empties_the_row_cache(table):
     table.config = ple.GatherConfig(row_cache_mib=1)
     ids = request_ids(8, 100)
