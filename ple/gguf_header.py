@@ -204,5 +204,8 @@ def read_gguf_tensors(path: Path) -> dict[str, TensorEntry]:
             raise ValueError(f"{path}: not a readable GGUF file: {file_size} bytes")
         # Mapped, not read: the walk touches the header's pages only.
         with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as header:
-            infos, alignment, data_start = _walk_header(path, header)
+            try:
+                infos, alignment, data_start = _walk_header(path, header)
+            except RecursionError:  # arrays of arrays nested deeper than Python recurses
+                raise ValueError(f"{path}: corrupt GGUF header: arrays nested too deep") from None
     return {info.name: _entry(path, info, alignment, data_start, file_size) for info in infos}

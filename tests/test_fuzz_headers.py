@@ -931,6 +931,18 @@ def _big_endian_file() -> bytes:
 
 
 PLAIN, ALIGNED = GGUF_LAYOUTS["plain"], GGUF_LAYOUTS["aligned"]
+
+
+def _nested_arrays_file(depth: int = 5000) -> bytes:
+    """The plain file with one more key: an array of an array of ... (depth
+    levels) of no numbers.  Skipping it recursed past Python's limit."""
+    array, number = int(gguf.GGUFValueType.ARRAY), int(gguf.GGUFValueType.UINT32)
+    value = struct.pack("<IQ", array, 1) * depth + struct.pack("<IQ", number, 0)
+    infos = [dict(info, name=info["name"].encode()) for info in PLAIN.infos]
+    return _serialize(PLAIN.version, [*PLAIN.kvs, (b"test.nested", array, value)], infos,
+                      PLAIN.data, PLAIN.alignment)
+
+
 # (file, tensor to open, what the message must say besides the path)
 GGUF_BAD = {
     # Found by test_gguf_corrupt_fields and test_gguf_rewritten_headers: the
@@ -974,6 +986,7 @@ GGUF_BAD = {
         _gguf_fields("plain", t__offset=PLAIN.infos[0]["offset"] + 1), "t", "tensor 't'"),
     # A big-endian file: the reader reads it, but its rows are big-endian.
     "big-endian file": (_big_endian_file(), "t", "big-endian"),
+    "arrays nested 5000 deep": (_nested_arrays_file(), "t", "nested too deep"),
 }
 
 
