@@ -15,7 +15,7 @@ import torch
 from .kernels.native import native
 
 from .config import GatherConfig
-from .formats import BY_GGUF_TYPE, BY_SAFETENSORS_DTYPE, FORMATS, RowFormat
+from .formats import BY_GGUF_TYPE, BY_SAFETENSORS_DTYPE, RowFormat
 from .gguf_header import read_gguf_tensors
 from .safetensors_header import TensorEntry, read_header
 from .staging import StreamStaging

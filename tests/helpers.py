@@ -11,6 +11,8 @@ import re
 import struct
 import subprocess
 import sys
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -51,6 +53,16 @@ class ByteTable:
             f, offset = int(self.row_file[i]), int(self.row_offset[i])
             pages.update((f, p) for p in range(offset // PAGE, (offset + self.row_bytes - 1) // PAGE + 1))
         return len(pages)
+
+
+def run_threads(worker: Callable[[int], None], n: int) -> None:
+    """Runs ``worker(k)`` for k in range(n), each on a thread of its own, and
+    waits for them all."""
+    threads = [threading.Thread(target=worker, args=(k,)) for k in range(n)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
 
 
 def tensor_offsets(path: Path) -> dict[str, int]:
@@ -160,6 +172,16 @@ def load_interpreted(path: Path, stand_ins: dict[str, Path] | None = None) -> Mo
 
 # Integer views of float tensors, by element size: comparisons to the bit.
 INT_VIEW = {4: torch.int32, 2: torch.int16}
+
+
+def bits(values: torch.Tensor) -> torch.Tensor:
+    """The values' bit patterns, so that NaN equals NaN and -0.0 differs from 0.0."""
+    return values.view(INT_VIEW[values.element_size()])
+
+
+def assert_same_bits(got: torch.Tensor, want: torch.Tensor) -> None:
+    assert got.dtype == want.dtype and got.shape == want.shape
+    assert torch.equal(bits(got.cpu()), bits(want.cpu()))
 # The targets the Triton kernels must compile for (V100, Turing, A100, H100),
 # and the output dtypes by their Triton signature names.
 COMPILE_CCS = (70, 75, 80, 90)

@@ -31,8 +31,8 @@ from safetensors.torch import save_file
 import ple
 from helpers import PAGE, ByteTable, write_byte_table
 from ple import GatherConfig
+from ple.config import POLICIES
 
-POLICIES = ("window", "distance", "all", "none")
 WINDOWS_KIB = (0, 4, 64, 4096, 1 << 40)  # 1 << 40 KiB: larger than any request
 
 # database=None: no .hypothesis directory in the repository.  The same

@@ -15,14 +15,14 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import ByteTable, write_byte_table
+from helpers import ByteTable, run_threads, write_byte_table
 from ple import GatherConfig
+from ple.config import POLICIES
 
 SHARD_ROWS = (97, 97, 77)
 NUM_ROWS = sum(SHARD_ROWS)  # 271
 BOUNDARY_ROWS = (0, NUM_ROWS - 1, 96, 97, 193, 194)
 ROW_BYTES = (1, 17, 160, 4096, 8193)
-POLICIES = ("window", "distance", "all", "none")
 WINDOWS_KIB = (0, 4, 4096, 1 << 20)
 THREADS = (1, 3)
 REQUEST = 2000
@@ -435,11 +435,7 @@ def test_concurrent_python_threads(big):
         except Exception as e:  # noqa: BLE001  (reported below)
             failures.append(f"thread {k}: {e!r}")
 
-    workers = [threading.Thread(target=worker, args=(k,)) for k in range(n_threads)]
-    for w in workers:
-        w.start()
-    for w in workers:
-        w.join()
+    run_threads(worker, n_threads)
     assert not failures, failures[:5]
     s = table.stats()
     assert s["calls"] == n_threads * calls
@@ -479,12 +475,8 @@ def test_concurrent_gathers_while_reconfiguring_and_dropping(big):
             failures.append(f"thread {k}: {e!r}")
 
     m = threading.Thread(target=meddler)
-    workers = [threading.Thread(target=worker, args=(k,)) for k in range(len(counts))]
     m.start()
-    for w in workers:
-        w.start()
-    for w in workers:
-        w.join()
+    run_threads(worker, len(counts))
     stop.set()
     m.join()
     assert not failures, failures[:5]

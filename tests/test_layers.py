@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from helpers import write_gguf
+from helpers import assert_same_bits, bits, write_gguf
 from ple.layers import NGramEmbedding, NGramHashing, PackedGGUFEmbedding
 
 VOCAB_SIZE, EOS_ID, BASE_SIZE = 3000, 2, 300
@@ -75,16 +75,6 @@ def ngram_reference(raw: np.ndarray, hashing: NGramHashing, batch, dtype) -> tor
     values = torch.from_numpy(raw[ids]).view(torch.float8_e4m3fn).to(torch.float32)
     scale = torch.tensor(SCALE, dtype=torch.float32).item()
     return (values * scale).to(dtype).reshape(len(ids), -1)
-
-
-def bits(values: torch.Tensor) -> torch.Tensor:
-    """The values' bit patterns, so that NaN equals NaN and -0.0 differs from 0.0."""
-    return values.view({2: torch.int16, 4: torch.int32}[values.element_size()])
-
-
-def assert_same_bits(got: torch.Tensor, want: torch.Tensor) -> None:
-    assert got.dtype == want.dtype and got.shape == want.shape
-    assert torch.equal(bits(got.cpu()), bits(want.cpu()))
 
 
 def assert_same_bits_but_nan(got: torch.Tensor, want: torch.Tensor) -> None:

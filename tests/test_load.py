@@ -35,7 +35,7 @@ import torch
 from safetensors.torch import save_file
 
 import ple
-from helpers import ByteTable, write_byte_table
+from helpers import ByteTable, run_threads, write_byte_table
 from ple import GatherConfig
 
 LOAD_SECONDS = float(os.environ.get("PLE_LOAD_SECONDS", 3))
@@ -108,11 +108,7 @@ def _hammer(tables: list[ByteTable], on_cuda: bool = False) -> None:
         except Exception as error:  # noqa: BLE001  (reported below)
             failures.append(f"thread {k}: {error!r}")
 
-    workers = [threading.Thread(target=worker, args=(k,)) for k in range(THREADS)]
-    for w in workers:
-        w.start()
-    for w in workers:
-        w.join()
+    run_threads(worker, THREADS)
     assert not failures, failures[:5]
     assert (calls.sum(axis=1) >= 1).all()
     for j, t in enumerate(tables):

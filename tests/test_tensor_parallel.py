@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import save_file
 
-from helpers import write_gguf
+from helpers import bits, write_gguf
 from ple.layers import NGramEmbedding, NGramHashing, PackedGGUFEmbedding
 from ple.layers.parallel import RowSplit, row_range
 
@@ -105,10 +105,6 @@ def embeddings(layers, inputs) -> list[torch.Tensor]:
     ngram, token, one_row = layers
     tokens = inputs[0]
     return [ngram(*inputs), token(tokens), one_row(torch.zeros_like(tokens))]
-
-
-def bits(values: torch.Tensor) -> torch.Tensor:
-    return values.view(torch.int16)
 
 
 @pytest.mark.parametrize("num_rows_of", ["ngram", "token"])

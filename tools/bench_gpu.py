@@ -72,10 +72,11 @@ def bandwidth_gbs(src: torch.Tensor, dst: torch.Tensor, calls: int = 20) -> floa
 TIER_SPLITS = {"disk": (0, 0), "thirds": (1 / 3, 1 / 3), "host": (0, 1), "device": (1, 0)}
 
 
-def tier_rows(table, num_rows: int, calls: int, gen: torch.Generator, device) -> list[dict]:
+def tier_rows(table, calls: int, gen: torch.Generator, device) -> list[dict]:
     """Median eager time of the operator (warm page cache) with each split
     of TIER_SPLITS placed, for each request size; the output must not change."""
     results = []
+    num_rows = table.num_rows
     requests = {n: [torch.randint(0, num_rows, (n,), generator=gen).to(device) for _ in range(calls)]
                 for n in SIZES}
     expected = {n: torch.ops.ple.disk_gather(r[0], table.handle, torch.bfloat16)
@@ -180,7 +181,7 @@ def main() -> None:
                 results.append(row)
                 print(f"  {state} {n} rows done", file=sys.stderr)
 
-        tiers = tier_rows(table, num_rows, args.calls, gen, device)
+        tiers = tier_rows(table, args.calls, gen, device)
 
         big = 256 << 20
         host = PinnedBuffer(big)
