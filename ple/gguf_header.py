@@ -101,7 +101,7 @@ class _Walk:
 
 def _walk_header(path: Path, header: bytes) -> tuple[list[_TensorInfo], int, int]:
     """The tensor infos, the alignment and where the data section starts."""
-    if len(header) < 24 or header[:4] != b"GGUF":
+    if header[:4] != b"GGUF":  # the caller turned away files under 24 bytes
         raise ValueError(f"{path}: not a readable GGUF file: no GGUF magic and counts")
     walk = _Walk(path, header)
     walk.take(4)

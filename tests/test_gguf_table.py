@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import ple
+from ple.formats import BY_GGUF_TYPE
 
 gguf = pytest.importorskip("gguf")
 from gguf import GGMLQuantizationType as Q  # noqa: E402
@@ -79,6 +80,17 @@ def test_block_rows_stay_packed(gguf_file):
         assert table.row_bytes == COLS // 256 * 144
         raw = torch.ops.ple.disk_gather_bytes(torch.tensor([5]), table.handle)
     assert np.array_equal(raw.numpy()[0], tensors["Q4_K"][0][5])
+
+
+@pytest.mark.parametrize("name", sorted(BY_GGUF_TYPE))
+def test_formats_have_ggufs_block_sizes(name):
+    """from_gguf relies on the header walk, which checks rows and data sizes
+    with gguf's block sizes, and then reads rows with ple's."""
+    fmt, qtype = BY_GGUF_TYPE[name], Q[name]
+    block_size, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
+    assert fmt.row_bytes(block_size) == block_bytes
+    assert fmt.gguf_type in (None, int(qtype))
+    assert not fmt.is_block or (fmt.block_size, fmt.gguf_type) == (block_size, int(qtype))
 
 
 def test_not_gguf(tmp_path):
