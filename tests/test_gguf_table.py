@@ -135,7 +135,8 @@ def test_row_width_not_whole_blocks(tmp_path):
     assert int.from_bytes(raw[dims:dims + 8], "little") == 64
     raw[dims:dims + 16] = (144).to_bytes(8, "little") + (2).to_bytes(8, "little")
     path.write_bytes(raw)
-    with pytest.raises(ValueError, match=rf"{path}"):
+    with pytest.raises(ValueError, match=rf"{path}.*a row of 144 values is not a whole number of "
+                                         rf"Q8_0 blocks of 32"):
         ple.Table.from_gguf(path, "odd")
 
 
@@ -143,7 +144,7 @@ def test_data_past_the_end_of_the_file(gguf_file, tmp_path):
     path, _ = gguf_file
     short = tmp_path / "short.gguf"
     short.write_bytes(path.read_bytes()[: os.path.getsize(path) - 1000])
-    with pytest.raises(ValueError, match=rf"{short}"):
+    with pytest.raises(ValueError, match=rf"{short}.*runs past the end of the file"):
         ple.Table.from_gguf(short, "Q6_K")
 
 

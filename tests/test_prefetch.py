@@ -95,9 +95,12 @@ def test_prefetches_beyond_the_byte_cap_drop_the_oldest(table_and_reference):
     for ids in steps:
         table.prefetch(ids)
     table.reset_stats()
+    outcomes = []
     for ids in steps:
         rows = torch.ops.ple.disk_gather_bytes(ids, table.handle)
         assert np.array_equal(rows.numpy(), reference[ids.numpy()])
+        outcomes.append("hit" if table.stats()["prefetch_hits"] > outcomes.count("hit") else "miss")
+    assert outcomes == ["miss", "hit", "hit"]  # the oldest was dropped
     stats = table.stats()
     assert (stats["prefetch_hits"], stats["prefetch_misses"]) == (2, 1)
 
