@@ -1,5 +1,10 @@
 #include "worker_pool.h"
 
+#include <sched.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <exception>
 #include <mutex>
@@ -11,26 +16,73 @@ namespace ple {
 
 namespace {
 
+// A gather runs several jobs back to back (validate, sort, copy) with a few
+// us of serial work between them.  Waking a sleeping thread takes tens of us,
+// so a worker that finished a job waits this long for the next one before it
+// sleeps, and so does the caller for the end of a job.  See README
+// "Performance (GPU)" for the measurement.
+constexpr auto kSpin = std::chrono::microseconds(50);
+
+int available_cpus() {
+  cpu_set_t set;
+  if (::sched_getaffinity(0, sizeof(set), &set) != 0) return 1;
+  return CPU_COUNT(&set);
+}
+
+// Waits until ready() or kSpin has passed; whether ready() held.
+template <typename Ready>
+bool spin_until(Ready ready) {
+  const auto until = std::chrono::steady_clock::now() + kSpin;
+  for (unsigned i = 1;; ++i) {
+    if (ready()) return true;
+    if (i % 64 == 0 && std::chrono::steady_clock::now() >= until) return false;
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#endif
+  }
+}
+
+// The current job in one word, so that a thread claims a task of the job it
+// saw start and of no other: generation | task count | next task.
+struct Job {
+  static constexpr int kMaxTasks = 0xFFFF;
+  uint32_t generation;
+  int count, next;
+  static Job of(uint64_t word) {
+    return {static_cast<uint32_t>(word >> 32), static_cast<int>((word >> 16) & 0xFFFF),
+            static_cast<int>(word & 0xFFFF)};
+  }
+  uint64_t word() const {
+    return static_cast<uint64_t>(generation) << 32 | static_cast<uint64_t>(count) << 16 |
+           static_cast<uint64_t>(next);
+  }
+};
+
 class WorkerPool {
  public:
+  // At most Job::kMaxTasks tasks: run_parallel splits larger counts.
   void run(int count, const std::function<void(int)>& task) {
     std::lock_guard<std::mutex> one_job(job_mutex_);
     grow(count - 1);
+    // Threads that wait by spinning on more CPUs than there are would slow
+    // the ones with work.
+    spin_.store(count <= cpus_, std::memory_order_relaxed);
+    task_ = &task;
+    error_ = nullptr;
+    unfinished_.store(count, std::memory_order_relaxed);
+    const uint32_t generation = Job::of(job_.load(std::memory_order_relaxed)).generation + 1;
     {
+      // Under the lock: a worker about to sleep on wake_ must not miss it.
       std::lock_guard<std::mutex> lock(mutex_);
-      task_ = &task;
-      next_ = 1;  // the caller takes task 0
-      count_ = count;
-      unfinished_ = count;
-      error_ = nullptr;
-      ++generation_;
+      job_.store(Job{generation, count, 0}.word(), std::memory_order_release);
     }
     wake_.notify_all();
-    execute(0);
-    take_tasks();
-    std::unique_lock<std::mutex> lock(mutex_);
-    done_.wait(lock, [&] { return unfinished_ == 0; });
-    task_ = nullptr;
+    take_tasks(generation);
+    auto done = [&] { return unfinished_.load(std::memory_order_acquire) == 0; };
+    if (!(spin_.load(std::memory_order_relaxed) && spin_until(done))) {
+      std::unique_lock<std::mutex> lock(mutex_);
+      done_.wait(lock, done);
+    }
     if (error_) std::rethrow_exception(error_);
   }
 
@@ -46,6 +98,20 @@ class WorkerPool {
     }
   }
 
+  // Takes tasks of job `generation` until none is left.  task_ stays valid
+  // while a claimed task runs: the job cannot end before it.
+  void take_tasks(uint32_t generation) {
+    uint64_t word = job_.load(std::memory_order_acquire);
+    for (;;) {
+      Job job = Job::of(word);
+      if (job.generation != generation || job.next >= job.count) return;
+      ++job.next;
+      if (!job_.compare_exchange_weak(word, job.word(), std::memory_order_acq_rel)) continue;
+      execute(job.next - 1);
+      word = job_.load(std::memory_order_acquire);
+    }
+  }
+
   void execute(int index) {
     try {
       (*task_)(index);
@@ -53,43 +119,37 @@ class WorkerPool {
       std::lock_guard<std::mutex> lock(mutex_);
       if (!error_) error_ = std::current_exception();
     }
-    std::lock_guard<std::mutex> lock(mutex_);
-    if (--unfinished_ == 0) done_.notify_all();
-  }
-
-  // Takes tasks of the current job until none is left.
-  void take_tasks() {
-    for (;;) {
-      int index;
-      {
-        std::lock_guard<std::mutex> lock(mutex_);
-        if (task_ == nullptr || next_ >= count_) return;
-        index = next_++;
-      }
-      execute(index);
+    if (unfinished_.fetch_sub(1, std::memory_order_acq_rel) == 1) {
+      // Under the lock: a caller about to sleep on done_ must not miss it.
+      std::lock_guard<std::mutex> lock(mutex_);
+      done_.notify_all();
     }
   }
 
   void work() {
-    uint64_t seen = 0;
+    uint32_t seen = 0;
+    auto current = [&] { return Job::of(job_.load(std::memory_order_acquire)).generation; };
+    auto new_job = [&] { return current() != seen; };
     for (;;) {
-      {
+      if (!(spin_.load(std::memory_order_relaxed) && spin_until(new_job))) {
         std::unique_lock<std::mutex> lock(mutex_);
-        wake_.wait(lock, [&] { return generation_ != seen; });
-        seen = generation_;
+        wake_.wait(lock, new_job);
       }
-      take_tasks();
+      seen = current();
+      take_tasks(seen);
     }
   }
 
-  std::mutex job_mutex_;
-  std::mutex mutex_;
+  const int cpus_ = available_cpus();
+  std::mutex job_mutex_;  // one job at a time
+  std::mutex mutex_;      // for the sleepers, and error_
   std::condition_variable wake_, done_;
   std::vector<std::thread> threads_;
   const std::function<void(int)>* task_ = nullptr;
-  int next_ = 0, count_ = 0, unfinished_ = 0;
-  uint64_t generation_ = 0;
   std::exception_ptr error_;
+  std::atomic<uint64_t> job_{0};
+  std::atomic<int> unfinished_{0};
+  std::atomic<bool> spin_{false};
 };
 
 }  // namespace
@@ -101,7 +161,9 @@ void run_parallel(int count, const std::function<void(int)>& task) {
   }
   // Never destroyed: detached workers may still wait on it at exit.
   static WorkerPool* pool = new WorkerPool;
-  pool->run(count, task);
+  for (int first = 0; first < count; first += Job::kMaxTasks) {
+    pool->run(std::min(Job::kMaxTasks, count - first), [&](int i) { task(first + i); });
+  }
 }
 
 }  // namespace ple

@@ -1,5 +1,6 @@
 // Threads that stay for the life of the process, so that a gather does not
-// pay for starting threads on every call.
+// pay for starting threads on every call, nor (while there are no more of
+// them than CPUs) for waking them between the steps of one.
 #pragma once
 
 #include <cstdint>
