@@ -350,8 +350,10 @@ def test_cuda_graph_replays_with_tiers(table, device_rows, host_rows):
         assert same_values(static_out, expected)
     # Re-placing keeps the captured tiers alive: the old graph still replays its rows.
     table.place(host_rows=100)
+    static_out.zero_()
     graph.replay()
     torch.cuda.synchronize()
+    assert same_values(static_out, expected)
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
