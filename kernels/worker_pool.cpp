@@ -64,9 +64,9 @@ class WorkerPool {
   void run(int count, const std::function<void(int)>& task) {
     std::lock_guard<std::mutex> one_job(job_mutex_);
     grow(count - 1);
-    // Threads that wait by spinning on more CPUs than there are would slow
-    // the ones with work.
-    spin_.store(count <= cpus_, std::memory_order_relaxed);
+    // Every worker wakes for every job, and those without a task spin too:
+    // more spinning threads than CPUs would slow the ones with work.
+    spin_.store(static_cast<int>(threads_.size()) < cpus_, std::memory_order_relaxed);
     task_ = &task;
     error_ = nullptr;
     unfinished_.store(count, std::memory_order_relaxed);
