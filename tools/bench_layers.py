@@ -86,7 +86,7 @@ def main(argv=None) -> int:
                                             layer_id=0, base_size=base_size, tensor=PREFIX,
                                             dtype=torch.bfloat16)
     steps = make_steps(args.tokens, args.steps, args.seed)
-    print(f"{layer}\n{args.steps} steps of {args.tokens} tokens ({args.tokens * 16:,} rows), "
+    print(f"{layer}\n{args.steps} steps of {args.tokens} tokens ({args.tokens * layer.hashing.heads:,} rows), "
           f"{args.compute_ms:g} ms of compute after each", file=sys.stderr)
     results = [run_mode(layer, mode, steps, args.compute_ms) for mode in MODES]
 
