@@ -38,9 +38,10 @@ def fp8e4m3fn_bits_to_f32(b):
 def f32_to_bf16_rne(x):
     """float32 to bfloat16 rounded as torch rounds (c10::BFloat16's
     round_to_nearest_even); NaN -> 0x7FC0, c10's scalar NaN (torch's vectorized
-    CPU cast writes 0xFFFF: NaN bits are not compared across devices).  Written with integer operations because the interpreter's
-    float32 -> bfloat16 cast truncates instead of rounding, and SM70/75 have no
-    bf16 conversion instruction anyway."""
+    CPU cast writes 0xFFFF: NaN bits are not compared across devices).
+    Written with integer operations because the interpreter's float32 ->
+    bfloat16 cast truncates instead of rounding, and SM70/75 have no bf16
+    conversion instruction anyway."""
     bits = x.to(tl.uint32, bitcast=True)
     rounded = (bits + (0x7FFF + ((bits >> 16) & 1))) >> 16
     rounded = tl.where(x != x, 0x7FC0, rounded)

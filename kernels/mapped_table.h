@@ -148,6 +148,9 @@ class MappedTable {
   void drop_page_cache();
 
  private:
+  // The prefetch thread's loop: gathers the queued requests in order.
+  void run_prefetches();
+
   std::vector<MappedFile> files_;
   std::vector<Shard> shards_;
   int64_t rows_per_shard_ = 0;
@@ -155,8 +158,6 @@ class MappedTable {
   int64_t row_bytes_ = 0;
   mutable std::mutex config_mutex_;
   GatherConfig config_;
-  void run_prefetches();
-
   GatherCounters counters_;
   RowCache row_cache_;
   PrefetchQueue prefetch_;

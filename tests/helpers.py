@@ -42,10 +42,6 @@ class ByteTable:
     def row_bytes(self) -> int:
         return self.reference.shape[1]
 
-    @property
-    def num_rows(self) -> int:
-        return self.reference.shape[0]
-
     def expected_pages(self, ids) -> int:
         """Distinct PAGE-sized file pages under the rows ``ids``."""
         pages = set()
@@ -137,7 +133,8 @@ def write_gguf(path, tensors: dict) -> None:
     writer.close()
 
 
-def _load(name: str, path: Path) -> ModuleType:
+def load_module(name: str, path: Path) -> ModuleType:
+    """The Python file at ``path`` as a fresh module named ``name``."""
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -156,8 +153,8 @@ def load_interpreted(path: Path, stand_ins: dict[str, Path] | None = None) -> Mo
     replaced = {name: sys.modules.get(name) for name in stand_ins or {}}
     try:
         for name, dependency in (stand_ins or {}).items():
-            sys.modules[name] = _load(f"_interpreted_{Path(dependency).stem}_for_{path.stem}", dependency)
-        return _load(f"_interpreted_{path.stem}", path)
+            sys.modules[name] = load_module(f"_interpreted_{Path(dependency).stem}_for_{path.stem}", dependency)
+        return load_module(f"_interpreted_{path.stem}", path)
     finally:
         for name, module in replaced.items():
             if module is None:
@@ -182,6 +179,20 @@ def bits(values: torch.Tensor) -> torch.Tensor:
 def assert_same_bits(got: torch.Tensor, want: torch.Tensor) -> None:
     assert got.dtype == want.dtype and got.shape == want.shape
     assert torch.equal(bits(got.cpu()), bits(want.cpu()))
+
+
+def assert_same_bits_but_nan(got: torch.Tensor, want: torch.Tensor) -> None:
+    """assert_same_bits where NaN need only be NaN: a NaN's sign and payload
+    follow each device's arithmetic (the fp8 tables hold NaN bytes; the GPU's
+    multiply by the scale returns its own NaN)."""
+    got, want = got.cpu(), want.cpu()
+    assert got.dtype == want.dtype and got.shape == want.shape
+    nan = want.isnan()
+    assert torch.equal(got.isnan(), nan), "NaN in different places"
+    mismatch = (bits(got) != bits(want)) & ~nan  # -0.0 against 0.0 and inf included
+    assert not mismatch.any(), (
+        f"{int(mismatch.sum())} bit mismatches, first at {mismatch.nonzero()[0].tolist()}: "
+        f"{got[mismatch][:4].tolist()} vs {want[mismatch][:4].tolist()}")
 # The targets the Triton kernels must compile for (V100, Turing, A100, H100),
 # and the output dtypes by their Triton signature names.
 COMPILE_CCS = (70, 75, 80, 90)

@@ -37,7 +37,7 @@ triton = pytest.importorskip("triton")
 gguf = pytest.importorskip("gguf")
 from gguf import GGMLQuantizationType  # noqa: E402
 from gguf.quants import dequantize, quantize  # noqa: E402
-from helpers import (COMPILE_CCS, INT_VIEW, OUT_SIGNATURE, assert_runs_on_old_gpus,  # noqa: E402
+from helpers import (COMPILE_CCS, OUT_SIGNATURE, assert_runs_on_old_gpus, assert_same_bits_but_nan,  # noqa: E402
                      compile_for_targets, dtype_id, load_interpreted)
 
 import ple.kernels  # noqa: E402
@@ -93,13 +93,8 @@ def reference(staged: torch.Tensor, name: str, dtype: torch.dtype) -> torch.Tens
 
 
 def assert_bit_identical(out: torch.Tensor, ref: torch.Tensor) -> None:
-    assert out.dtype == ref.dtype and out.shape == ref.shape
-    assert not ref.isnan().any()  # finite scales: a NaN would hide a mismatch below
-    view = INT_VIEW[ref.itemsize]
-    mismatch = out.view(view) != ref.view(view)  # -0.0 vs 0.0 and inf included
-    assert not mismatch.any(), (
-        f"{int(mismatch.sum())} bit mismatches, first at {mismatch.nonzero()[0].tolist()}: "
-        f"{out[mismatch][:4].tolist()} vs {ref[mismatch][:4].tolist()}")
+    assert not ref.isnan().any()  # finite scales: a NaN would be excused below
+    assert_same_bits_but_nan(out, ref)
 
 
 def decode(interp, staged: torch.Tensor, name: str, dtype: torch.dtype) -> torch.Tensor:

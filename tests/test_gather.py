@@ -286,7 +286,7 @@ def test_cold_table_reports_no_resident_pages(big, policy, window):
     should find none resident: ``resident_pages`` counts pages that were
     already in memory, not pages this gather's own copy faulted in before
     the advice loop got to them."""
-    ids, s = _cold_gather(big, GatherConfig(policy, window, 1), seed=17)
+    _, s = _cold_gather(big, GatherConfig(policy, window, 1), seed=17)
     assert s["resident_pages"] == 0, (
         f"cold table, yet {s['resident_pages']} of {s['unique_pages']} pages counted resident "
         f"({s['advised_pages']} advised, {s['major_faults']} major faults)")

@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from helpers import assert_same_bits, bits, write_gguf
+from helpers import assert_same_bits, assert_same_bits_but_nan, write_gguf
 from ple.layers import NGramEmbedding, NGramHashing, PackedGGUFEmbedding
 
 VOCAB_SIZE, EOS_ID, BASE_SIZE = 3000, 2, 300
@@ -75,16 +75,6 @@ def ngram_reference(raw: np.ndarray, hashing: NGramHashing, batch, dtype) -> tor
     values = torch.from_numpy(raw[ids]).view(torch.float8_e4m3fn).to(torch.float32)
     scale = torch.tensor(SCALE, dtype=torch.float32).item()
     return (values * scale).to(dtype).reshape(len(ids), -1)
-
-
-def assert_same_bits_but_nan(got: torch.Tensor, want: torch.Tensor) -> None:
-    """assert_same_bits for outputs of two devices: NaN need only be NaN there,
-    because a NaN's sign and payload follow each device's arithmetic (the fp8
-    table holds NaN bytes; the GPU's multiply by the scale returns its own NaN)."""
-    got, want = got.cpu(), want.cpu()
-    assert got.dtype == want.dtype and got.shape == want.shape
-    assert torch.equal(got.isnan(), want.isnan())
-    assert torch.equal(bits(got[~got.isnan()]), bits(want[~want.isnan()]))
 
 
 @pytest.fixture(scope="module")

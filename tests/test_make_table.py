@@ -1,23 +1,18 @@
 """tools/make_table.ensure_table reuses a table only when it was written,
 to the end, with the same arguments."""
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 
 import ple
+from helpers import REPO, load_module
 
-TOOL = Path(__file__).resolve().parents[1] / "tools" / "make_table.py"
 ARGUMENTS = dict(rows=100, row_bytes=16, shards=4, files=2, seed=0)
 
 
 @pytest.fixture
 def make_table(monkeypatch):
     """The tool's module, with write_table counting its calls in ``writes``."""
-    spec = importlib.util.spec_from_file_location("make_table", TOOL)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_module("make_table", REPO / "tools" / "make_table.py")
     module.writes = []
     write_table = module.write_table
 

@@ -236,13 +236,15 @@ def test_primality():
 # ---- compile and devices -----------------------------------------------------------
 
 
-def random_batch(seed: int, num_tokens: int = 64, num_requests: int = 5, vocab_size: int = 262_144, eos_id: int = 1):
-    """A batch with one empty request, EOS-heavy tokens and contexts."""
+def random_batch(seed: int, num_tokens: int = 64):
+    """A batch of DEFAULT's vocabulary: five requests of which request 2 is
+    empty, EOS-heavy tokens and contexts."""
     rng = random.Random(seed)
+    eos_id, vocab_size = DEFAULT["eos_id"], DEFAULT["vocab_size"]
     token = lambda: eos_id if rng.random() < 0.15 else rng.randrange(vocab_size)  # noqa: E731
     tokens = torch.tensor([token() for _ in range(num_tokens)])
     seq_ids = torch.tensor(sorted(rng.choice([0, 1, 3, 4]) for _ in range(num_tokens)))
-    context = torch.tensor([[token(), token()] for _ in range(num_requests)])
+    context = torch.tensor([[token(), token()] for _ in range(5)])
     return tokens, seq_ids, context
 
 

@@ -76,7 +76,7 @@ def test_several_prefetches_wait_in_order_for_their_gathers(table_and_reference)
 
 def test_many_small_prefetches_all_wait(table_and_reference):
     """Many layers sharing a table each prefetch a step's rows."""
-    table, reference = table_and_reference
+    table, _ = table_and_reference
     steps = [torch.arange(layer, layer + 16) for layer in range(40)]
     table.reset_stats()
     for ids in steps:

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import save_file
 
-from helpers import bits, write_gguf
+from helpers import assert_same_bits, write_gguf
 from ple.layers import NGramEmbedding, NGramHashing, PackedGGUFEmbedding
 from ple.layers.parallel import RowSplit, row_range
 
@@ -127,9 +127,9 @@ def test_the_shares_of_every_rank_sum_to_the_rows_bit_for_bit(tables, num_rows_o
         rows = torch.ops.ple.disk_gather(gathered, layer.table.handle, torch.bfloat16)
         share = split.keep_own_rows(rows, ids)
         total = share if total is None else total + share
-    assert torch.equal(bits(total), bits(whole))
+    assert_same_bits(total, whole)
     if layer is ngram:  # its column 0 is -0.0, which a +0.0 fill would sum to +0.0
-        assert torch.equal(bits(whole[..., 0]), bits(torch.full_like(whole[..., 0], -0.0)))
+        assert_same_bits(whole[..., 0], torch.full_like(whole[..., 0], -0.0))
     for opened in layers:
         opened.table.close()
 
@@ -162,7 +162,7 @@ def test_two_ranks_on_gloo_give_the_embedding_of_one_process(tables, tmp_path):
         got = torch.load(tmp_path / f"rank{rank}.pt")
         for got_step, expected_step in zip(got["outputs"], expected):
             for got_rows, expected_rows in zip(got_step, expected_step):
-                assert torch.equal(bits(got_rows), bits(expected_rows))
+                assert_same_bits(got_rows, expected_rows)
         assert got["prefetch_hits"] == 1
         # Its own token rows came from its host tier, the others' ids (clamped
         # to an own row, then masked) too: nothing of the token table from disk.

@@ -264,12 +264,10 @@ FIRST_ROWS = [0, 300]
 
 
 @needs_gpu
-@pytest.mark.parametrize("first_row", FIRST_ROWS)
-@pytest.mark.parametrize("device_rows, host_rows", SPLITS)
+@pytest.mark.parametrize("first_row, device_rows, host_rows",
+                         [(first, d, h) for first in FIRST_ROWS for d, h in SPLITS if first + d + h <= ROWS])
 @pytest.mark.parametrize("n", [16, 9000])  # staged rows read over UVA, then from a device copy
 def test_cuda_gather_with_every_split_equals_disk_only(table, first_row, device_rows, host_rows, n):
-    if first_row + device_rows + host_rows > ROWS:
-        pytest.skip("the split does not fit after first_row")
     ids = request_ids(device_rows + host_rows, n).cuda()
     expected = torch.ops.ple.disk_gather(ids.cpu(), table.handle, torch.bfloat16)
     table.place(device_rows=device_rows, host_rows=host_rows, device="cuda", first_row=first_row)
