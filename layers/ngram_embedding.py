@@ -3,24 +3,39 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
+import gguf
 import torch
+from safetensors import safe_open
 
 from ple.config import GatherConfig
 from ple.formats import OUTPUT_DTYPES
-from ple.table import Table
+from ple.table import PathsLike, Table, read_checkpoint_entries
 
-from .ngram_ids import NGramHashing
+from .ngram_ids import NGramConstants, NGramHashing, decoder_layer
 from .parallel import RowSplit, gather, prefetch
+
+# The reference checkpoint's table, and where transformers' save_pretrained
+# puts the table of decoder layer {layer}; the layer's constants are buffers
+# next to it.
+REFERENCE_TABLE = "ngram_embedding"
+TRANSFORMERS_TABLE = "model.layers.{layer}.ple.ple_embedding.ngram_embedding"
+CONSTANT_BUFFERS = ("layer_multipliers", "ngram_heads_vocab_sizes", "ngram_heads_offsets")
+INTEGER_DTYPES = ("I64", "I32", "U64", "U32")
+GGUF_CONSTANTS = {"layer_multipliers": "qwen4exp.ple.layer_multipliers",
+                  "head_vocab_sizes": "qwen4exp.ple.head_vocab_sizes",
+                  "head_offsets": "qwen4exp.ple.head_offsets"}
+GGUF_EOS = "qwen4exp.ple.eos_token_id"
 
 
 class NGramEmbedding(torch.nn.Module):
-    """Each token's rows from its bigram and trigram hash heads, concatenated:
-    ``forward(token_ids, seq_ids, context)`` gives ``[T, heads * table.cols]``
-    in ``dtype`` on the ids' device.  The row ids are computed on that device
-    inside the forward (no host sync), so the layer runs inside
-    ``torch.compile(fullgraph=True)`` and CUDA graphs; before capturing a
-    graph by hand, run the layer once on that device.
+    """Each token's rows from its hash heads (the 2-gram heads, then the
+    3-gram heads, ...), concatenated: ``forward(token_ids, seq_ids, context)``
+    gives ``[T, heads * table.cols]`` in ``dtype`` on the ids' device.  The
+    row ids are computed on that device inside the forward (no host sync), so
+    the layer runs inside ``torch.compile(fullgraph=True)`` and CUDA graphs;
+    before capturing a graph by hand, run the layer once on that device.
 
     ``process_group``: split the table's rows across its ranks
     (``ple.layers.parallel``); every rank returns the full embedding.
@@ -34,8 +49,9 @@ class NGramEmbedding(torch.nn.Module):
         needed = hashing.row_offset + hashing.rows
         if table.num_rows < needed:
             raise ValueError(
-                f"table {table.name!r} has {table.num_rows} rows, but layer {hashing.layer_id}'s "
-                f"{hashing.heads} hash heads need rows [{hashing.row_offset}, {needed})")
+                f"table {table.name!r} has {table.num_rows} rows, but PLE layer "
+                f"{hashing.ple_layer_index}'s {hashing.heads} hash heads need rows "
+                f"[{hashing.row_offset}, {needed})")
         self.table = table
         self.hashing = hashing
         self.dtype = dtype
@@ -44,33 +60,51 @@ class NGramEmbedding(torch.nn.Module):
                                                                            process_group)
 
     @classmethod
-    def from_safetensors(cls, checkpoint: str | os.PathLike, *, vocab_size: int, eos_id: int,
-                         layer_id: int, base_size: int, tensor: str = "ngram_embedding",
+    def from_safetensors(cls, checkpoint: PathsLike, tensor: str | None = None, *,
+                         model_config=None, ple_layer_index: int = 0,
                          dtype: torch.dtype = torch.bfloat16, config: GatherConfig | None = None,
                          process_group=None, **hashing_args) -> "NGramEmbedding":
         """The layer over the shards ``<tensor>.shard_{i}.weight`` (with their
-        ``<tensor>.weight_scale``) of a safetensors checkpoint: a directory, a
-        file or a list of files.
+        ``<tensor>.weight_scale``), or the 2-D tensor ``<tensor>``, of a
+        safetensors checkpoint: a directory, a file or a list of files.
 
-        ``vocab_size``, ``eos_id``, ``layer_id`` and ``base_size`` are required:
-        we do not know the reference model's values, so no defaults stand in for
-        them.  ``hashing_args`` go to :class:`NGramHashing` (``seed``,
-        ``bigram_heads``, ``trigram_heads``, ``pad_id``, ``row_offset``).
+        The hashing comes from ``model_config`` (a transformers
+        ``Qwen4ExpTextConfig`` or a dict of its keys; see
+        ``NGramHashing.from_config``) or from ``hashing_args`` (``vocab_size``,
+        ``eos_id``, and the other arguments of :class:`NGramHashing`).  The
+        checkpoint's own constants, buffers ``layer_multipliers``,
+        ``ngram_heads_vocab_sizes`` and ``ngram_heads_offsets`` next to the
+        table (as transformers saves them), replace the derived ones.
+        ``tensor`` defaults to transformers' name for PLE layer
+        ``ple_layer_index`` when ``model_config`` is given and the checkpoint
+        has it, else to ``ngram_embedding``.  ``config`` is the table's
+        :class:`ple.GatherConfig`.
         """
-        hashing = NGramHashing(vocab_size=vocab_size, eos_id=eos_id, layer_id=layer_id,
-                               base_size=base_size, **hashing_args)
+        entries = read_checkpoint_entries(checkpoint)
+        if tensor is None:
+            tensor = REFERENCE_TABLE
+            if model_config is not None:
+                named = TRANSFORMERS_TABLE.format(layer=decoder_layer(model_config, ple_layer_index))
+                if f"{named}.shard_0.weight" in entries or f"{named}.weight" in entries:
+                    tensor = named
+        constants = _safetensors_constants(entries, tensor)
+        hashing = _hashing(model_config, ple_layer_index, constants, hashing_args)
         return cls._opened(Table.from_safetensors(checkpoint, tensor, config), hashing, dtype,
                            process_group)
 
     @classmethod
-    def from_gguf(cls, path: str | os.PathLike, tensor: str, *, vocab_size: int, eos_id: int,
-                  layer_id: int, base_size: int, dtype: torch.dtype = torch.bfloat16,
+    def from_gguf(cls, path: str | os.PathLike, tensor: str, *, model_config=None,
+                  ple_layer_index: int = 0, dtype: torch.dtype = torch.bfloat16,
                   config: GatherConfig | None = None, process_group=None, **hashing_args
                   ) -> "NGramEmbedding":
-        """The layer over the 2-D tensor ``tensor`` of a GGUF file; the other
-        arguments as in :meth:`from_safetensors`."""
-        hashing = NGramHashing(vocab_size=vocab_size, eos_id=eos_id, layer_id=layer_id,
-                               base_size=base_size, **hashing_args)
+        """The layer over the 2-D tensor ``tensor`` of a GGUF file; the file's
+        ``qwen4exp.ple.*`` constants (multipliers, head sizes and offsets,
+        EOS) replace the derived ones.  The other arguments as in
+        :meth:`from_safetensors`."""
+        constants, eos = _gguf_constants(Path(path), ple_layer_index)
+        if eos is not None:
+            hashing_args["eos_id"] = eos
+        hashing = _hashing(model_config, ple_layer_index, constants, hashing_args)
         return cls._opened(Table.from_gguf(path, tensor, config), hashing, dtype, process_group)
 
     @classmethod
@@ -90,8 +124,9 @@ class NGramEmbedding(torch.nn.Module):
     def forward(self, token_ids: torch.Tensor, seq_ids: torch.Tensor | None = None,
                 context: torch.Tensor | None = None) -> torch.Tensor:
         """``token_ids`` ``[T]``: several requests back to back; ``seq_ids``
-        ``[T]`` each token's request, ``context`` ``[R, 2]`` each request's
-        ``(prev2, prev)`` from its previous step (see ``NGramHashing.row_ids``)."""
+        ``[T]`` each token's request, ``context`` ``[R, ngram_size - 1]`` each
+        request's last tokens before this step, oldest first (see
+        ``NGramHashing.row_ids``)."""
         rows = gather(self.table, self.row_ids(token_ids, seq_ids, context), self.dtype,
                       self.split)
         return rows.reshape(token_ids.shape[0], self.embedding_dim)
@@ -105,6 +140,59 @@ class NGramEmbedding(torch.nn.Module):
 
     def extra_repr(self) -> str:
         split = "" if self.split is None else f", {self.split}"
-        return (f"table={self.table.name!r}, layer_id={self.hashing.layer_id}, "
+        return (f"table={self.table.name!r}, ple_layer_index={self.hashing.ple_layer_index}, "
                 f"heads={self.hashing.heads}, embedding_dim={self.embedding_dim}, "
                 f"dtype={self.dtype}{split}")
+
+
+def _hashing(model_config, ple_layer_index: int, constants: NGramConstants, hashing_args: dict
+             ) -> NGramHashing:
+    if model_config is not None:
+        return NGramHashing.from_config(model_config, ple_layer_index, constants=constants,
+                                        **hashing_args)
+    missing = [name for name in ("vocab_size", "eos_id") if name not in hashing_args]
+    if missing:
+        raise TypeError(f"the hashing needs model_config, or vocab_size and eos_id (missing: "
+                        f"{', '.join(missing)})")
+    return NGramHashing(ple_layer_index=ple_layer_index, constants=constants, **hashing_args)
+
+
+def _safetensors_constants(entries, table: str) -> NGramConstants:
+    """The buffers transformers saves beside the table ``<parent>.ngram_embedding``."""
+    parent = table.rpartition(".")[0]
+    found = {}
+    for buffer in CONSTANT_BUFFERS:
+        entry = entries.get(f"{parent}.{buffer}" if parent else buffer)
+        if entry is None:
+            continue
+        if entry.dtype not in INTEGER_DTYPES or len(entry.shape) != 1:
+            raise ValueError(f"{entry.path}: n-gram constant {entry.name!r} must be a 1-D integer "
+                             f"tensor, not {entry.dtype} {list(entry.shape)}")
+        with safe_open(str(entry.path), "pt") as f:
+            found[buffer] = f.get_tensor(entry.name).tolist()
+    return NGramConstants.coerce(found)
+
+
+def _gguf_constants(path: Path, ple_layer_index: int) -> tuple[NGramConstants, int | None]:
+    """The file's constants of PLE layer ``ple_layer_index`` and its EOS
+    token.  An array holds the layers' values back to back."""
+    fields = gguf.GGUFReader(path).fields
+    layers = fields.get("qwen4exp.ple.layers")
+    num_layers = len(layers.contents()) if layers is not None else 1
+    found = {}
+    for name, key in GGUF_CONSTANTS.items():
+        field = fields.get(key)
+        if field is None:
+            continue
+        values = field.contents()
+        values = values if isinstance(values, list) else [values]
+        if len(values) % num_layers:
+            raise ValueError(f"{path}: {key} has {len(values)} values, not a whole number for "
+                             f"{num_layers} PLE layers")
+        per_layer = len(values) // num_layers
+        if ple_layer_index >= num_layers:
+            raise ValueError(f"{path}: {key} holds {num_layers} PLE layers' values, so there is no "
+                             f"ple_layer_index {ple_layer_index}")
+        found[name] = [int(v) for v in values[ple_layer_index * per_layer:(ple_layer_index + 1) * per_layer]]
+    eos = fields.get(GGUF_EOS)
+    return NGramConstants.coerce(found), None if eos is None else int(eos.contents())

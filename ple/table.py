@@ -69,6 +69,12 @@ def _read_entries(files: list[Path]) -> dict[str, TensorEntry]:
     return entries
 
 
+def read_checkpoint_entries(paths: PathsLike) -> dict[str, TensorEntry]:
+    """Every tensor of safetensors files (a file, a list of files or a
+    directory of ``*.safetensors``) by name, from their headers alone."""
+    return _read_entries(_resolve_paths(paths))
+
+
 def _shard_families(entries: dict[str, TensorEntry]) -> dict[str, dict[int, TensorEntry]]:
     families: dict[str, dict[int, TensorEntry]] = {}
     for name, entry in entries.items():

@@ -1,5 +1,7 @@
 """ple.layers: NGramEmbedding against rows gathered by hand from the table's
-bytes, PackedGGUFEmbedding against gguf's dequantize, prefetch, argument
+bytes and against transformers' own n-gram module over a checkpoint in its
+layout, the constants of safetensors and GGUF files, PackedGGUFEmbedding
+against gguf's dequantize, prefetch, argument
 errors, torch.compile on CPU; on CUDA (skipped without a GPU) eager, compiled
 with CUDA graphs and captured by hand, with tiers placed."""
 
@@ -18,10 +20,10 @@ from ple.layers import NGramEmbedding, NGramHashing, PackedGGUFEmbedding
 
 VOCAB_SIZE, EOS_ID, BASE_SIZE = 3000, 2, 300
 HASHING = dict(vocab_size=VOCAB_SIZE, eos_id=EOS_ID, base_size=BASE_SIZE)
-# Layer 3 sits after layer 0's rows in the same table, as layers of one checkpoint do.
-LAYER_0 = dict(HASHING, layer_id=0)
-LAYER_3 = dict(HASHING, layer_id=3, row_offset=NGramHashing(**LAYER_0).rows)
-NGRAM_ROWS = 2 * NGramHashing(**LAYER_0).rows + 100  # both layers' rows, and some unused
+# Layer 3's rows sit after layer 0's in the same table.
+LAYER_0 = dict(HASHING, ple_layer_index=0)
+LAYER_3 = dict(HASHING, ple_layer_index=3, row_offset=NGramHashing(**LAYER_0).rows)
+NGRAM_ROWS = NGramHashing(**LAYER_3).row_offset + NGramHashing(**LAYER_3).rows + 100  # and some unused
 NGRAM_COLS = 24
 SCALE = 0.37  # stored as F32
 GGUF_ROWS, GGUF_COLS = VOCAB_SIZE, 64  # a token embedding: a row per token
@@ -59,13 +61,13 @@ def gguf_file(tmp_path_factory):
 
 def requests_batch(seed: int, num_tokens: int = 40, num_requests: int = 4):
     """Tokens of several requests back to back, EOS-heavy, each request with a
-    context of two tokens (pad, EOS or any)."""
+    context of two tokens (EOS or any)."""
     generator = torch.Generator().manual_seed(seed)
     tokens = torch.randint(0, VOCAB_SIZE, (num_tokens,), generator=generator)
     tokens[torch.rand(num_tokens, generator=generator) < 0.15] = EOS_ID
     seq_ids = torch.randint(0, num_requests, (num_tokens,), generator=generator).sort().values
     context = torch.randint(0, VOCAB_SIZE, (num_requests, 2), generator=generator)
-    context[0] = 0
+    context[0] = EOS_ID
     context[1, 1] = EOS_ID
     return tokens, seq_ids, context
 
@@ -80,7 +82,7 @@ def ngram_reference(raw: np.ndarray, hashing: NGramHashing, batch, dtype) -> tor
 @pytest.fixture(scope="module")
 def ngram_layers(ngram_checkpoint):
     directory, _ = ngram_checkpoint
-    layers = {layer["layer_id"]: NGramEmbedding.from_safetensors(directory, **layer)
+    layers = {layer["ple_layer_index"]: NGramEmbedding.from_safetensors(directory, **layer)
               for layer in (LAYER_0, LAYER_3)}
     yield layers
     for layer in layers.values():
@@ -98,11 +100,11 @@ def token_embedding(gguf_file):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
-@pytest.mark.parametrize("layer_id", [0, 3])
-def test_ngram_embedding_equals_the_rows_gathered_by_hand(ngram_checkpoint, layer_id, dtype):
+@pytest.mark.parametrize("layer", [0, 3])
+def test_ngram_embedding_equals_the_rows_gathered_by_hand(ngram_checkpoint, layer, dtype):
     directory, raw = ngram_checkpoint
     layer = NGramEmbedding.from_safetensors(directory, dtype=dtype,
-                                            **(LAYER_0 if layer_id == 0 else LAYER_3))
+                                            **(LAYER_0 if layer == 0 else LAYER_3))
     with layer.table:
         assert layer.table.num_rows == NGRAM_ROWS and layer.embedding_dim == 16 * NGRAM_COLS
         for seed, num_tokens in ((0, 40), (1, 1), (2, 300)):
@@ -114,13 +116,95 @@ def test_ngram_embedding_equals_the_rows_gathered_by_hand(ngram_checkpoint, laye
 
 def test_ngram_embedding_from_gguf(gguf_file):
     path, tensors = gguf_file
-    small = dict(HASHING, base_size=40, bigram_heads=2, trigram_heads=2)
-    layer = NGramEmbedding.from_gguf(path, "q4_0", layer_id=1, dtype=torch.float32, **small)
+    small = dict(HASHING, base_size=40, heads_per_ngram=2)
+    layer = NGramEmbedding.from_gguf(path, "q4_0", ple_layer_index=1, dtype=torch.float32, **small)
     with layer.table:
         batch = requests_batch(4)
         ids = layer.hashing.row_ids(*batch).numpy()
         rows = gguf.quants.dequantize(tensors["q4_0"][0], gguf.GGMLQuantizationType.Q4_0)[ids]
         assert_same_bits(layer(*batch), torch.from_numpy(rows).reshape(len(ids), -1))
+
+
+def qwen4exp_checkpoint(directory, config, ple_layer_index: int, parts: int, change_constants=False):
+    """transformers' n-gram module of a PLE layer, its table saved as ``parts``
+    shards with its buffers in transformers' layout (as save_pretrained
+    writes them), and the module."""
+    modeling = pytest.importorskip("transformers.models.qwen4_exp.modeling_qwen4_exp")
+    from ple.layers.ngram_ids import decoder_layer
+
+    layer = decoder_layer(config, ple_layer_index)
+    torch.manual_seed(ple_layer_index)
+    module = modeling.Qwen4ExpTextNGramEmbedding(config, config.ple_embed_dim, layer, ple_layer_index)
+    if change_constants:  # constants the config does not derive: only the file has them
+        module.layer_multipliers.copy_(torch.tensor([3, 5, 7, 11]) * 1_000_003)
+        module.ngram_heads_vocab_sizes.sub_(10)
+    prefix = f"model.layers.{layer}.ple.ple_embedding"
+    tensors = {f"{prefix}.ngram_embedding.shard_{i}.weight": shard.contiguous()
+               for i, shard in enumerate(module.ngram_embedding.weight.detach().chunk(parts))}
+    for buffer in ("layer_multipliers", "ngram_heads_vocab_sizes", "ngram_heads_offsets"):
+        tensors[f"{prefix}.{buffer}"] = getattr(module, buffer)
+    save_file(tensors, str(directory / f"model-layer{layer}.safetensors"))
+    return module
+
+
+def qwen4exp_config(**changes):
+    configuration = pytest.importorskip("transformers.models.qwen4_exp.configuration_qwen4_exp")
+    return configuration.Qwen4ExpTextConfig(**dict(
+        vocab_size=VOCAB_SIZE, eos_token_id=[EOS_ID, 5], ple_layer_ids=[2, 3], num_hidden_layers=4,
+        hidden_size=16, ple_embed_dim=24, ngram_size=4, heads_per_ngram=2, ngram_vocab_size_base=200,
+        num_experts=2, num_experts_per_tok=1) | changes)
+
+
+@pytest.mark.parametrize("change_constants", [False, True], ids=["derived", "file constants"])
+def test_ngram_embedding_equals_transformers_module_over_its_checkpoint(tmp_path, change_constants):
+    """A checkpoint in transformers' layout (each PLE layer's shards and buffers
+    under its decoder layer): the layer found from the config alone gives the
+    module's output bit for bit, with the file's constants where they differ
+    from the derived ones."""
+    config = qwen4exp_config()
+    modules = [qwen4exp_checkpoint(tmp_path, config, index, parts=3, change_constants=change_constants)
+               for index in (0, 1)]
+    tokens = requests_batch(8, num_tokens=30)[0]
+    for index, module in enumerate(modules):
+        layer = NGramEmbedding.from_safetensors(tmp_path, model_config=config, ple_layer_index=index,
+                                                dtype=torch.float32)
+        with layer.table:
+            assert layer.table.name == f"model.layers.{index + 1}.ple.ple_embedding.ngram_embedding"
+            assert list(layer.hashing.multipliers) == module.layer_multipliers.tolist()
+            assert list(layer.hashing.head_sizes) == module.ngram_heads_vocab_sizes.tolist()
+            with torch.no_grad():
+                expected = module(tokens[None], None)[0]
+            assert_same_bits(layer(tokens), expected)
+
+
+def test_ngram_embedding_reads_gguf_constants(tmp_path):
+    """qwen4exp.ple.* metadata, two PLE layers back to back, and its EOS win
+    over the derived values and the eos_id given."""
+    values = np.random.default_rng(5).uniform(-1, 1, (400, 8)).astype(np.float32)
+    writer = gguf.GGUFWriter(str(tmp_path / "ple.gguf"), "qwen4exp")
+    writer.add_array("qwen4exp.ple.layers", [2, 4])
+    writer.add_array("qwen4exp.ple.layer_multipliers", [11, 13, 17, 19, 23, 29])
+    writer.add_array("qwen4exp.ple.head_vocab_sizes", [31, 37, 41, 43])
+    writer.add_array("qwen4exp.ple.head_offsets", [0, 31, 0, 41])
+    writer.add_uint32("qwen4exp.ple.eos_token_id", 9)
+    writer.add_tensor("per_layer_token_embd.weight", values)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    layer = NGramEmbedding.from_gguf(tmp_path / "ple.gguf", "per_layer_token_embd.weight",
+                                     vocab_size=VOCAB_SIZE, eos_id=EOS_ID, ngram_size=3, heads_per_ngram=1,
+                                     ple_layer_index=1, dtype=torch.float32)
+    with layer.table:
+        assert layer.hashing.multipliers == (19, 23, 29) and layer.hashing.eos_id == 9
+        assert layer.hashing.head_sizes == (41, 43) and layer.hashing.head_offsets == (0, 41)
+        tokens = torch.tensor([4, 9, 6, 7])
+        ids = layer.row_ids(tokens)
+        prev = torch.tensor([9, 4, 9, 6])
+        prev2 = torch.tensor([9, 9, 9, 9])  # EOS, or after an EOS
+        mixed2 = (tokens * 19) ^ (prev * 23)
+        assert torch.equal(ids, torch.stack([mixed2 % 41, (mixed2 ^ (prev2 * 29)) % 43 + 41], 1))
+        assert_same_bits(layer(tokens), torch.from_numpy(values[ids.numpy()]).reshape(4, -1))
 
 
 @pytest.mark.parametrize("tensor", ["token_embd.weight", "q4_0", "bf16"])
@@ -170,7 +254,7 @@ def test_a_table_too_small_for_the_heads_is_named(ngram_checkpoint):
     offset = NGRAM_ROWS - 10
     needed = offset + NGramHashing(**LAYER_0).rows
     with pytest.raises(ValueError, match=rf"^table 'ngram_embedding' has {NGRAM_ROWS} rows, but "
-                       rf"layer 0's 16 hash heads need rows \[{offset}, {needed}\)$"):
+                       rf"PLE layer 0's 16 hash heads need rows \[{offset}, {needed}\)$"):
         NGramEmbedding.from_safetensors(directory, row_offset=offset, **LAYER_0)
 
 
@@ -184,10 +268,11 @@ def test_a_dtype_disk_gather_cannot_give_is_refused(ngram_checkpoint, gguf_file,
         PackedGGUFEmbedding(gguf_file[0], dtype=dtype)
 
 
-def test_the_hashing_needs_every_model_parameter(ngram_checkpoint):
+def test_the_hashing_needs_the_model_parameters(ngram_checkpoint):
     arguments = dict(LAYER_0)
-    del arguments["base_size"]
-    with pytest.raises(TypeError, match=r"missing 1 required keyword-only argument: 'base_size'"):
+    del arguments["vocab_size"]
+    with pytest.raises(TypeError, match=r"^the hashing needs model_config, or vocab_size and eos_id "
+                                        r"\(missing: vocab_size\)$"):
         NGramEmbedding.from_safetensors(ngram_checkpoint[0], **arguments)
     with pytest.raises(TypeError, match=r"unexpected keyword argument 'heads'"):
         NGramEmbedding.from_safetensors(ngram_checkpoint[0], heads=4, **LAYER_0)

@@ -20,7 +20,7 @@ from helpers import assert_same_bits, write_gguf
 from ple.layers import NGramEmbedding, NGramHashing, PackedGGUFEmbedding
 from ple.layers.parallel import RowSplit, row_range
 
-HASHING = dict(vocab_size=1001, eos_id=7, layer_id=2, base_size=100)
+HASHING = dict(vocab_size=1001, eos_id=7, ple_layer_index=2, base_size=100)
 VOCAB_ROWS, COLS = 1001, 32  # 1001 = 7 * 11 * 13: no small world size divides it
 WORKER_TIMEOUT_S = 120
 

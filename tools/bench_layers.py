@@ -80,11 +80,10 @@ def main(argv=None) -> int:
     row_bytes = 160
     num_rows = int(args.table_gib * 2**30) // row_bytes
     ensure_table(args.table, rows=num_rows, row_bytes=row_bytes)
-    # 16 heads of consecutive primes above base_size must fit in the table.
+    # 16 heads of consecutive primes from base_size must fit in the table.
     base_size = num_rows // 17
-    layer = NGramEmbedding.from_safetensors(args.table, vocab_size=VOCAB_SIZE, eos_id=EOS_ID,
-                                            layer_id=0, base_size=base_size, tensor=PREFIX,
-                                            dtype=torch.bfloat16)
+    layer = NGramEmbedding.from_safetensors(args.table, PREFIX, vocab_size=VOCAB_SIZE, eos_id=EOS_ID,
+                                            base_size=base_size, dtype=torch.bfloat16)
     steps = make_steps(args.tokens, args.steps, args.seed)
     print(f"{layer}\n{args.steps} steps of {args.tokens} tokens ({args.tokens * layer.hashing.heads:,} rows), "
           f"{args.compute_ms:g} ms of compute after each", file=sys.stderr)

@@ -31,8 +31,6 @@ from ple.layers import NGramEmbedding, NGramHashing, PackedGGUFEmbedding
 VOCAB_SIZE = 4096
 HIDDEN = 256  # token embedding width: a multiple of Q8_0's 32-value blocks
 EOS_ID = 2
-PAD_ID = 0
-LAYER_ID = 0
 BASE_SIZE = 2000  # 16 heads of about 2,000 rows: a 1 MiB n-gram table
 NGRAM_COLS = 32  # FP8 values per n-gram row
 REQUESTS = 2
@@ -66,8 +64,7 @@ class TinyModel(torch.nn.Module):
 
 def write_tables(out: Path) -> tuple[Path, Path]:
     """The n-gram checkpoint directory and the GGUF file."""
-    rows = NGramHashing(vocab_size=VOCAB_SIZE, eos_id=EOS_ID, layer_id=LAYER_ID,
-                        base_size=BASE_SIZE).rows
+    rows = NGramHashing(vocab_size=VOCAB_SIZE, eos_id=EOS_ID, base_size=BASE_SIZE).rows
     ngram_dir = out / "ngram"
     write_table(ngram_dir, rows=rows, row_bytes=NGRAM_COLS, shards=4, files=2)
     values = np.random.default_rng(0).normal(0, 0.02, (VOCAB_SIZE, HIDDEN)).astype(np.float32)
@@ -93,7 +90,7 @@ def prompt_chunks() -> list[Batch]:
     for step in range(STEPS):
         start = step * CHUNK
         context = (prompts[:, start - 2:start] if step else
-                   torch.full((REQUESTS, 2), PAD_ID, dtype=torch.int64))
+                   torch.full((REQUESTS, 2), EOS_ID, dtype=torch.int64))
         batches.append((prompts[:, start:start + CHUNK].reshape(-1), seq_ids, context))
     return batches
 
@@ -152,8 +149,8 @@ def main() -> None:
         ngram_dir, gguf_path = write_tables(out)
         token_embedding = PackedGGUFEmbedding(gguf_path, dtype=DTYPE)
         ngram_embedding = NGramEmbedding.from_safetensors(
-            ngram_dir, tensor=PREFIX, vocab_size=VOCAB_SIZE, eos_id=EOS_ID, layer_id=LAYER_ID,
-            base_size=BASE_SIZE, pad_id=PAD_ID, dtype=DTYPE)
+            ngram_dir, tensor=PREFIX, vocab_size=VOCAB_SIZE, eos_id=EOS_ID, base_size=BASE_SIZE,
+            dtype=DTYPE)
         torch.manual_seed(0)
         model = TinyModel(token_embedding, ngram_embedding).to(device)
         tables = {"token_embd": token_embedding.table, "ngram": ngram_embedding.table}
