@@ -76,9 +76,32 @@ class StreamStaging:
         if capturing:  # only ids and rows are ever replaced (and retired)
             self.ids.captured = self.rows.captured = True
 
+    def gather(self, table_handle: int, ids: torch.Tensor, resident_range: tuple[int, int],
+               capturing: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """Enqueues on this stream the gather of ``ids`` (CUDA, any shape):
+        the ids are copied into the pinned ids buffer, then the native gather
+        runs as a host function and fills the pinned rows buffer, skipping
+        the ids of ``resident_range``.  Returns the staged rows
+        ``[n, row_bytes]`` and the status word the host function sets when
+        it fails; both are valid in stream order only."""
+        n = ids.numel()
+        self.reserve(n, capturing)
+        staged_ids = self.ids.bytes[: 8 * n].view(torch.int64)
+        staged_ids.copy_(ids.reshape(-1).to(torch.int64), non_blocking=True)
+        native.launch_host_gather(self.stream.cuda_stream, table_handle, staged_ids.data_ptr(), n,
+                                  *resident_range, self.rows.bytes.data_ptr(),
+                                  self.status.bytes.data_ptr(), capturing)
+        rows = self.rows.bytes[: n * self.row_bytes].view(n, self.row_bytes)
+        return rows, self.status.bytes[:4].view(torch.int32)
+
+    def bad_id_word(self) -> torch.Tensor:
+        """The int32 that a kernel sets when it finds an id out of range with
+        no host gather to check it (every row resident)."""
+        return self.bad_id_flag.bytes[:4].view(torch.int32)
+
     def take_bad_id_flag(self) -> bool:
         """Whether an earlier call found a bad id on the device; clears it."""
-        word = self.bad_id_flag.bytes[:4].view(torch.int32)
+        word = self.bad_id_word()
         if word.item() == 0:
             return False
         word.zero_()

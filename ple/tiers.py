@@ -29,6 +29,7 @@ class Placement:
                  device_rows: int, host_rows: int, device: torch.device | None,
                  first_row: int = 0, progress: Callable[[int, int], None] | None = None):
         self.first_row = first_row
+        self.row_bytes = row_bytes
         self.device_rows = device_rows
         self.host_rows = host_rows
         self.device = device
@@ -47,17 +48,17 @@ class Placement:
                 self.hits_on(in_use)
         self.captured = False  # a CUDA graph reads the tiers: they live until the table closes
         try:
-            self._load(read_rows, row_bytes, progress)
+            self._load(read_rows, progress)
         except BaseException:
             self.free()  # a half-placed tier must not stay page-locked
             raise
 
-    def _load(self, read_rows: Callable[[torch.Tensor, torch.Tensor], None], row_bytes: int,
+    def _load(self, read_rows: Callable[[torch.Tensor, torch.Tensor], None],
               progress: Callable[[int, int], None] | None) -> None:
         """Reads the tiers' rows, LOAD_CHUNK_BYTES at a time; device rows go
         through a host buffer of that size."""
         total = self.device_rows + self.host_rows
-        chunk_rows = max(1, LOAD_CHUNK_BYTES // row_bytes)
+        chunk_rows = max(1, LOAD_CHUNK_BYTES // self.row_bytes)
 
         def read(first: int, out: torch.Tensor) -> None:  # tier rows [first, first + len(out))
             begin = self.first_row + first
@@ -66,20 +67,20 @@ class Placement:
                 progress(first + out.shape[0], total)
 
         if self.device_rows:
-            self.device_table = torch.empty((self.device_rows, row_bytes), dtype=torch.uint8,
+            self.device_table = torch.empty((self.device_rows, self.row_bytes), dtype=torch.uint8,
                                             device=self.device)
-            staging = torch.empty((min(chunk_rows, self.device_rows), row_bytes), dtype=torch.uint8)
+            staging = torch.empty((min(chunk_rows, self.device_rows), self.row_bytes), dtype=torch.uint8)
             for first in range(0, self.device_rows, chunk_rows):
                 rows = staging[: min(chunk_rows, self.device_rows - first)]
                 read(first, rows)
                 self.device_table[first:first + rows.shape[0]].copy_(rows)
         if self.host_rows:
             if torch.cuda.is_available():
-                self._pinned = PinnedBuffer(self.host_rows * row_bytes)
-                flat = self._pinned.bytes[: self.host_rows * row_bytes]
+                self._pinned = PinnedBuffer(self.host_rows * self.row_bytes)
+                flat = self._pinned.bytes[: self.host_rows * self.row_bytes]
             else:
-                flat = torch.empty(self.host_rows * row_bytes, dtype=torch.uint8)
-            self.host_table = flat.view(self.host_rows, row_bytes)
+                flat = torch.empty(self.host_rows * self.row_bytes, dtype=torch.uint8)
+            self.host_table = flat.view(self.host_rows, self.row_bytes)
             for first in range(0, self.host_rows, chunk_rows):
                 read(self.device_rows + first, self.host_table[first:first + chunk_rows])
 
@@ -103,6 +104,31 @@ class Placement:
         with self._cpu_hits_lock:
             self._cpu_hits[0] += device_hits
             self._cpu_hits[1] += host_hits
+
+    def check_device(self, device: torch.device, table_name: str) -> None:
+        """Raises unless CUDA ids on ``device`` can read this placement."""
+        if self.device_rows and self.device != device:
+            # Another GPU's memory is not readable here without peer access.
+            raise ValueError(f"ple.disk_gather: table {table_name!r} keeps its device tier on "
+                             f"{self.device}, and the ids are on {device}")
+
+    def assemble(self, ids: torch.Tensor, num_rows: int, staged: torch.Tensor | None,
+                 staged_status: torch.Tensor | None, bad_id_word: torch.Tensor | None,
+                 capturing: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each row of the CUDA ids ``ids`` from its tier, or from ``staged``
+        (the host gather's rows of the other ids, with its status word; None
+        when every row is resident).  Returns the rows ``[n, row_bytes]`` and
+        a status word that is set when the host gather failed.  Without a
+        host gather, an id outside ``[0, num_rows)`` sets ``bad_id_word``."""
+        from .kernels.tier_rows_triton import assemble_rows_triton  # needs triton: CUDA only
+
+        self.captured |= capturing
+        rows = torch.empty((ids.numel(), self.row_bytes), dtype=torch.uint8, device=ids.device)
+        status = torch.zeros(1, dtype=torch.int32, device=ids.device)
+        assemble_rows_triton(ids.reshape(-1), rows, self.device_table, self.host_table, staged,
+                             self.first_row, num_rows, self.hits_on(ids.device), staged_status,
+                             status, bad_id_word)
+        return rows, status
 
     def hits_on(self, device: torch.device) -> torch.Tensor:
         """int64 [device, host] counters that CUDA gathers on ``device`` add to."""
