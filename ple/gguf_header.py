@@ -16,6 +16,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from .files import open_regular_binary
 from .safetensors_header import TensorEntry
 
 
@@ -197,9 +198,11 @@ def read_gguf_tensors(path: Path) -> dict[str, TensorEntry]:
     """The tensors of one GGUF file by name, shapes in row-major order (rows
     first) and dtype the GGML type's name.  Raises OSError when the file cannot
     be read and ValueError, naming the file (and the tensor), when it is not a
-    valid GGUF file."""
-    file_size = os.stat(path).st_size  # OSError for a missing or unreadable file
-    with open(path, "rb") as f:
+    regular file or not a valid GGUF file."""
+    # OSError for a missing or unreadable file, ValueError for one that is not
+    # a regular file (a FIFO would block the open).
+    with open_regular_binary(path) as f:
+        file_size = os.fstat(f.fileno()).st_size
         if file_size < 24:
             raise ValueError(f"{path}: not a readable GGUF file: {file_size} bytes")
         # Mapped, not read: the walk touches the header's pages only.

@@ -14,6 +14,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from .files import open_regular_binary
+
 # safetensors' own bound on the header; anything larger is a corrupt length.
 MAX_HEADER_BYTES = 100 * 1024 * 1024
 
@@ -41,6 +43,8 @@ def _entry(path: Path, name: str, info, data_start: int, file_size: int) -> Tens
 
     if not isinstance(info, dict):
         raise bad(f"entry is {type(info).__name__}, not an object")
+    if getattr(info, "duplicates", ()):
+        raise bad(f"key {info.duplicates[0]!r} appears twice")
     dtype, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
     if not isinstance(dtype, str):
         raise bad(f"dtype is {dtype!r}")
@@ -61,10 +65,39 @@ def _entry(path: Path, name: str, info, data_start: int, file_size: int) -> Tens
     return TensorEntry(path, name, dtype, tuple(shape), data_start + begin, end - begin)
 
 
+class _Object(dict):
+    """A JSON object, with the keys that it holds more than once."""
+    duplicates: tuple[str, ...] = ()
+
+
+def _object(pairs: list[tuple[str, object]]) -> _Object:
+    obj = _Object(pairs)
+    if len(obj) != len(pairs):
+        seen: set[str] = set()
+        obj.duplicates = tuple(dict.fromkeys(k for k, _ in pairs if k in seen or seen.add(k)))
+    return obj
+
+
+def _check_no_shared_bytes(path: Path, entries: dict[str, TensorEntry]) -> None:
+    """Two tensors whose bytes overlap are a corrupt file (the safetensors
+    package refuses them too): rows of one would be read as another's values."""
+    spans = sorted((e.offset, e.offset + e.nbytes, e.name) for e in entries.values() if e.nbytes)
+    widest = None  # the span, so far, that reaches furthest
+    for begin, end, name in spans:
+        if widest is not None and begin < widest[1]:
+            raise ValueError(f"{path}: corrupt safetensors header: tensors {widest[2]!r} (bytes "
+                             f"{widest[0]} to {widest[1]}) and {name!r} (bytes {begin} to {end}) "
+                             "share bytes")
+        if widest is None or end > widest[1]:
+            widest = (begin, end, name)
+
+
 def read_header(path: Path) -> dict[str, TensorEntry]:
     """The tensors of one safetensors file by name.  Raises OSError when the
-    file cannot be read and ValueError, naming the file, when it is corrupt."""
-    with open(path, "rb") as f:
+    file cannot be read and ValueError, naming the file, when it is corrupt,
+    not a regular file, names a tensor (or a field of one) twice or has two
+    tensors that share bytes."""
+    with open_regular_binary(path) as f:
         file_size = os.fstat(f.fileno()).st_size
         prefix = f.read(8)
         if len(prefix) < 8:
@@ -76,7 +109,7 @@ def read_header(path: Path) -> dict[str, TensorEntry]:
                              f"in a file of {file_size} bytes")
         raw = f.read(length)
     try:
-        header = json.loads(raw.decode("utf-8"))
+        header = json.loads(raw.decode("utf-8"), object_pairs_hook=_object)
     # ValueError covers bad UTF-8, bad JSON and integers of too many digits;
     # RecursionError, nesting deeper than the parser goes.
     except (ValueError, RecursionError) as error:
@@ -84,6 +117,12 @@ def read_header(path: Path) -> dict[str, TensorEntry]:
     if not isinstance(header, dict):
         raise ValueError(f"{path}: corrupt safetensors header: a {type(header).__name__}, "
                          "not an object")
+    if header.duplicates:
+        name = header.duplicates[0]
+        what = "" if name == "__metadata__" else "tensor "
+        raise ValueError(f"{path}: corrupt safetensors header: {what}{name!r} appears twice")
     data_start = 8 + length
-    return {name: _entry(path, name, info, data_start, file_size)
-            for name, info in header.items() if name != "__metadata__"}
+    entries = {name: _entry(path, name, info, data_start, file_size)
+               for name, info in header.items() if name != "__metadata__"}
+    _check_no_shared_bytes(path, entries)
+    return entries

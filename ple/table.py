@@ -15,6 +15,7 @@ import torch
 from .kernels.native import native
 
 from .config import GatherConfig
+from .files import open_regular_binary
 from .formats import BY_GGUF_TYPE, BY_SAFETENSORS_DTYPE, RowFormat
 from .gguf_header import read_gguf_tensors
 from .safetensors_header import TensorEntry, read_header
@@ -23,7 +24,9 @@ from .tiers import Placement
 
 PathsLike = Union[str, os.PathLike, Iterable[Union[str, os.PathLike]]]
 
-SHARD_NAME = re.compile(r"^(?P<prefix>.+)\.shard_(?P<index>\d+)\.weight$")
+# ASCII digits only (\d would take other scripts' digits, which int() reads);
+# an index with leading zeros matches, to be refused by _shard_families.
+SHARD_NAME = re.compile(r"^(?P<prefix>.+)\.shard_(?P<index>[0-9]+)\.weight$")
 # A row wider than this cannot be in any file: only a table of no rows could
 # claim it, and the native code counts bytes in int64.
 MAX_ROW_BYTES = 1 << 48
@@ -31,13 +34,28 @@ SCALE_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat
 
 # Open tables by handle, for the operators; a table that is dropped closes.
 _open_tables: "weakref.WeakValueDictionary[int, Table]" = weakref.WeakValueDictionary()
+# The names of the last tables opened, by handle (handles are never reused), so
+# that a call with the handle of a closed table can say which table it was.
+_names_by_handle: dict[int, str] = {}
+MAX_NAMES_KEPT = 4096
+COMPILED_HINT = ("a table must stay open while code that gathers from it runs, compiled code "
+                 "and captured CUDA graphs included")
 
 
 def table_for_handle(handle: int) -> "Table":
     table = _open_tables.get(handle)
     if table is None:
+        name = _names_by_handle.get(handle)
+        if name is not None:
+            raise ValueError(f"ple table {name!r} (handle {handle}) is closed: {COMPILED_HINT}")
         raise ValueError(f"no open ple table has handle {handle} (closed, or never opened)")
     return table
+
+
+def _remember_name(handle: int, name: str) -> None:
+    _names_by_handle[handle] = name
+    while len(_names_by_handle) > MAX_NAMES_KEPT:
+        del _names_by_handle[next(iter(_names_by_handle))]  # the oldest
 
 
 def _resolve_paths(paths: PathsLike) -> list[Path]:
@@ -76,12 +94,19 @@ def read_checkpoint_entries(paths: PathsLike) -> dict[str, TensorEntry]:
 
 
 def _shard_families(entries: dict[str, TensorEntry]) -> dict[str, dict[int, TensorEntry]]:
+    """The shard families by prefix.  A shard index written with leading zeros
+    (``x.shard_01.weight``) is a ValueError naming the file and the tensor."""
     families: dict[str, dict[int, TensorEntry]] = {}
     for name, entry in entries.items():
         match = SHARD_NAME.match(name)
         if match:
             family = families.setdefault(match["prefix"], {})
             index = int(match["index"])
+            if match["index"] != str(index):
+                raise ValueError(
+                    f"{entry.path}: tensor {name!r}: shard index {match['index']!r} has leading "
+                    f"zeros; shard {index} of {match['prefix']!r} must be named "
+                    f"'{match['prefix']}.shard_{index}.weight'")
             if index in family:
                 raise ValueError(f"{entry.path}: {name!r} and {family[index].name!r} "
                                  f"({family[index].path}) are both shard {index}")
@@ -156,7 +181,7 @@ def _read_scale(entry: TensorEntry, given: float | None) -> float:
     if entry.dtype not in SCALE_DTYPES or entry.nbytes != SCALE_DTYPES[entry.dtype].itemsize:
         raise ValueError(f"{entry.path}: scale tensor {entry.name!r} must hold one F32, F16 or "
                          f"BF16 value, not {entry.dtype} {list(entry.shape)}")
-    with open(entry.path, "rb") as f:
+    with open_regular_binary(entry.path) as f:
         f.seek(entry.offset)
         raw = bytearray(f.read(entry.nbytes))
     value = torch.frombuffer(raw, dtype=SCALE_DTYPES[entry.dtype]).item()
@@ -194,6 +219,7 @@ class Table:
         self._config = config
         self._push_config(config)
         _open_tables[self._handle] = self
+        _remember_name(self._handle, name)
 
     @classmethod
     def from_safetensors(cls, paths: PathsLike, tensor: str | None = None,
@@ -250,7 +276,9 @@ class Table:
     @property
     def handle(self) -> int:
         if self._handle is None:
-            raise ValueError(f"table {self.name!r} is closed")
+            # Under torch.compile(fullgraph=True) dynamo reports this as an
+            # "Observed exception" (Unsupported) that quotes this message.
+            raise ValueError(f"ple table {self.name!r} is closed: {COMPILED_HINT}")
         return self._handle
 
     @property

@@ -1,0 +1,61 @@
+"""Opening table files: regular files only.
+
+A FIFO opened for reading blocks until a writer comes (forever, for a FIFO
+that someone left named ``*.safetensors`` in a checkpoint directory); a
+character device such as ``/dev/zero`` reads without end; a socket cannot be
+opened; a block device has no size that ``fstat`` reports, so it could not be
+mapped.  Every reader of table files in ple goes through :func:`open_regular`,
+which refuses all of these with a ``ValueError`` naming the path, before the
+file is opened for reading."""
+
+from __future__ import annotations
+
+import os
+import stat
+
+KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
+         (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
+
+
+def _kind(mode: int) -> str:
+    return next((name for test, name in KINDS if test(mode)), f"file type {stat.S_IFMT(mode):#o}")
+
+
+def _refuse(path, mode: int) -> ValueError:
+    return ValueError(f"{path}: not a regular file ({_kind(mode)}); ple reads tables and their "
+                      "tensors only from regular files")
+
+
+def check_regular_file(path: str | os.PathLike) -> None:
+    """Raises ``ValueError`` naming ``path`` when it is not a regular file (a
+    symlink counts as what it points to), and ``OSError`` when it cannot be
+    stat'ed (``FileNotFoundError`` when missing).  Opens nothing."""
+    mode = os.stat(path).st_mode
+    if not stat.S_ISREG(mode):
+        raise _refuse(path, mode)
+
+
+def open_regular(path: str | os.PathLike) -> int:
+    """A file descriptor open for reading on the regular file ``path``.
+
+    ``path`` is checked before it is opened, and opened with ``O_NONBLOCK``
+    and checked again by ``fstat``, so that a path that turns into a FIFO
+    between the two cannot block the open either (``O_NONBLOCK`` is then
+    cleared: it means nothing to a regular file).  Raises as
+    :func:`check_regular_file` does."""
+    check_regular_file(path)
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise _refuse(path, mode)
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def open_regular_binary(path: str | os.PathLike):
+    """:func:`open_regular` as a binary file object (``open(path, "rb")``)."""
+    return os.fdopen(open_regular(path), "rb")
