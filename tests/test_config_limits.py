@@ -1,0 +1,57 @@
+"""GatherConfig's ranges: values the native side cannot take (they became a
+pybind TypeError when a table took the config) and thread counts that would
+start thousands of threads for the life of the process are a ValueError at
+construction, naming the field, the value and the range.  README
+"Reliability"."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+import ple
+from ple.config import MAX_PREFETCH_WINDOW_KIB, MAX_ROW_CACHE_MIB, MAX_THREADS, GatherConfig
+
+
+def test_the_limits():
+    # The native side relies on this name and value.
+    assert MAX_THREADS == 256
+    assert MAX_PREFETCH_WINDOW_KIB == 2**40
+    assert MAX_ROW_CACHE_MIB == 2**40
+    # In bytes, what the native side counts in: within int64, with room.
+    assert MAX_PREFETCH_WINDOW_KIB * 1024 < 2**63 and MAX_ROW_CACHE_MIB << 20 < 2**63
+
+
+@pytest.mark.parametrize("field, value, least, most", [
+    ("threads", 2**31, 1, MAX_THREADS),
+    ("threads", 10_000, 1, MAX_THREADS),
+    ("threads", MAX_THREADS + 1, 1, MAX_THREADS),
+    ("threads", 0, 1, MAX_THREADS),
+    ("prefetch_window_kib", 2**60, 0, MAX_PREFETCH_WINDOW_KIB),
+    ("prefetch_window_kib", MAX_PREFETCH_WINDOW_KIB + 1, 0, MAX_PREFETCH_WINDOW_KIB),
+    ("prefetch_window_kib", -1, 0, MAX_PREFETCH_WINDOW_KIB),
+    ("row_cache_mib", 2**45, 0, MAX_ROW_CACHE_MIB),
+    ("row_cache_mib", MAX_ROW_CACHE_MIB + 1, 0, MAX_ROW_CACHE_MIB),
+    ("row_cache_mib", -1, 0, MAX_ROW_CACHE_MIB),
+])
+def test_out_of_range_is_a_value_error_naming_field_value_and_range(field, value, least, most):
+    bound = f"at least {least}" if value < least else f"at most {most}"
+    message = f"{field} must be {bound}, got {value} (the range is [{least}, {most}])"
+    with pytest.raises(ValueError, match=re.escape(message)):
+        GatherConfig(**{field: value})
+
+
+def test_the_largest_values_are_taken_by_a_table(tmp_path):
+    f = tmp_path / "t.safetensors"
+    values = torch.arange(40, dtype=torch.float32).reshape(10, 4)
+    save_file({"t": values}, str(f))
+    with ple.Table.from_safetensors(f) as table:
+        for policy in ple.POLICIES:
+            # A request this small runs on one thread whatever `threads` says.
+            table.config = GatherConfig(policy, MAX_PREFETCH_WINDOW_KIB, MAX_THREADS)
+            assert torch.equal(torch.ops.ple.disk_gather(torch.tensor([9, 0, 3]), table.handle),
+                               values[[9, 0, 3]])
+        GatherConfig(row_cache_mib=MAX_ROW_CACHE_MIB)  # in range; the table's memory may not be
