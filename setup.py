@@ -16,7 +16,7 @@ from build_flags import LIBRARIES, compile_args, sources  # noqa: E402  (ple is 
 SOURCES = sources("kernels")
 
 setup(
-    packages=["ple", "ple.kernels", "ple.ops", "ple.layers"],
+    packages=["ple", "ple.integrations", "ple.kernels", "ple.ops", "ple.layers"],
     package_dir={"ple": "ple", "ple.kernels": "kernels", "ple.ops": "ops", "ple.layers": "layers"},
     # The sources travel with the package: ple compiles them at import when
     # the built module does not match the running torch.

@@ -1,0 +1,123 @@
+"""An ``nn.Embedding`` lookup whose table stays in its checkpoint files."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from ple.config import GatherConfig
+from ple.formats import OUTPUT_DTYPES
+from ple.table import PathsLike, Table
+
+from .parallel import gather, prefetch
+
+# disk_gather's dtypes, and float64, which the rows are widened to from float32.
+DTYPES = (*OUTPUT_DTYPES, torch.float64)
+
+
+class DiskEmbedding(torch.nn.Module):
+    """A drop-in for the lookup of an ``nn.Embedding``: ``forward(ids)`` is
+    ``torch.nn.functional.embedding(ids, W)`` bit for bit, ``W`` being the
+    table's values (the stored tensor for F32, F16 and BF16 rows; the decoded
+    values, times the scale, for FP8, U8, I8 and GGUF rows) cast to ``dtype``
+    by torch's own conversion.  The rows are gathered from the files by
+    ``torch.ops.ple.disk_gather`` on the ids' device, so the module runs on
+    CPU ids and on CUDA ids alike, and inside ``torch.compile``.
+
+    It has no parameters.  ``dtype`` (default: the table's, ``table.dtype``)
+    follows the module's casts as a weight would: ``.to(torch.bfloat16)``,
+    ``.half()``, ``.float()`` and ``.double()`` change it, ``.to("cuda")``
+    does not; it is kept as the dtype of an empty non-persistent buffer,
+    which also moves with ``.to(device)``.  float64 rows are gathered as
+    float32 and widened (exactly: every table's values are float32 values).
+
+    The module owns ``table``: :meth:`close` closes it.  Inference only: the
+    table has no gradient, and ``max_norm`` is not supported.
+    """
+
+    def __init__(self, table: Table, dtype: torch.dtype | None = None, *,
+                 padding_idx: int | None = None, device: torch.device | str | None = None):
+        super().__init__()
+        dtype = table.dtype if dtype is None else dtype
+        if dtype not in DTYPES:
+            raise TypeError(f"dtype must be one of {DTYPES}, not {dtype}")
+        self.table = table
+        self.num_embeddings = table.num_rows
+        self.embedding_dim = table.cols
+        # Only recorded, as nn.Embedding's: it changes gradients, never the lookup.
+        self.padding_idx = padding_idx
+        # An explicit device: built under `with torch.device("meta")` (as
+        # transformers builds models), a buffer of no elements is still real.
+        self.register_buffer("dtype_tracker", torch.empty(0, dtype=dtype, device=device or "cpu"),
+                             persistent=False)
+        self._meta_weight: torch.Tensor | None = None
+
+    @classmethod
+    def from_safetensors(cls, paths: PathsLike, tensor: str | None = None, *,
+                         dtype: torch.dtype | None = None, config: GatherConfig | None = None,
+                         scale: float | None = None, **kwargs) -> "DiskEmbedding":
+        """Opens ``tensor`` (a 2-D tensor, or a shard family prefix) of
+        ``paths`` as with ``ple.Table.from_safetensors``; the table is closed
+        again if the module cannot be made."""
+        table = Table.from_safetensors(paths, tensor, config, scale=scale)
+        return cls._owning(table, dtype, kwargs)
+
+    @classmethod
+    def from_gguf(cls, path: str | os.PathLike, tensor: str, *, dtype: torch.dtype | None = None,
+                  config: GatherConfig | None = None, **kwargs) -> "DiskEmbedding":
+        """Opens the 2-D tensor ``tensor`` of a GGUF file, kept packed in its
+        format; the table is closed again if the module cannot be made."""
+        table = Table.from_gguf(path, tensor, config)
+        return cls._owning(table, dtype, kwargs)
+
+    @classmethod
+    def _owning(cls, table: Table, dtype, kwargs) -> "DiskEmbedding":
+        try:
+            return cls(table, dtype, **kwargs)
+        except BaseException:
+            table.close()
+            raise
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype of the rows ``forward`` returns."""
+        return self.dtype_tracker.dtype
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """A meta tensor of the table's shape and ``dtype``: what code that
+        reads ``embedding.weight.shape``, ``.dtype`` or ``.device`` needs to
+        know, holding nothing.  Its device says the weight is in no device's
+        memory: transformers' Qwen4Exp n-gram embedding, for one, moves its
+        ids to ``weight.device`` unless that is "meta", so the ids reach the
+        gather on their own device.  Not a parameter: it is not in
+        ``state_dict()``, nor moved or cast by ``.to()``, and cannot be
+        assigned (a tied weight cannot be served from disk)."""
+        weight = self._meta_weight
+        if weight is None or weight.dtype != self.dtype:
+            weight = self._meta_weight = torch.empty(
+                (self.num_embeddings, self.embedding_dim), dtype=self.dtype, device="meta")
+        return weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        dtype = self.dtype
+        if dtype in OUTPUT_DTYPES:
+            return gather(self.table, ids, dtype, None)
+        if dtype not in DTYPES:  # cast by .to() to a dtype no table's values widen to exactly
+            raise TypeError(f"DiskEmbedding gives rows in {DTYPES}, not {dtype}")
+        return gather(self.table, ids, torch.float32, None).to(dtype)
+
+    def prefetch(self, ids: torch.Tensor) -> None:
+        """Starts reading the rows of a later ``forward`` of ids equal to these
+        (on the CPU), so that its gather takes them instead of reading them itself."""
+        prefetch(self.table, ids, None)
+
+    def close(self) -> None:
+        """Closes the table (unmaps its files); the module cannot run after."""
+        self.table.close()
+
+    def extra_repr(self) -> str:
+        padding = "" if self.padding_idx is None else f", padding_idx={self.padding_idx}"
+        return (f"{self.num_embeddings}, {self.embedding_dim}, table={self.table.name!r} "
+                f"({self.table.format}), dtype={self.dtype}{padding}")

@@ -1,0 +1,469 @@
+"""transformers models whose embedding tables stay in the checkpoint's files.
+
+    from transformers import AutoModelForCausalLM, Qwen4ExpForCausalLM
+    from ple.integrations.transformers import from_pretrained, tables
+
+    model = from_pretrained(Qwen4ExpForCausalLM, "checkpoint/", dtype=torch.bfloat16)
+    model.to("cuda")                       # the tables stay on disk; ids on CUDA reach ple's CUDA kernel
+    tables(model)                          # {module name: ple.Table}, for place(), config, stats()
+
+``from_pretrained`` loads a model from a local safetensors checkpoint as
+``model_class.from_pretrained`` does, but for the embeddings it offloads:
+their modules become :class:`ple.layers.DiskEmbedding` (no parameters), whose
+rows ``torch.ops.ple.disk_gather`` reads from the checkpoint's files as the
+model runs.  Those tensors are never read whole, concatenated, nor copied to
+an offload folder.  ``offload="auto"`` offloads the tables ple is made for:
+every Qwen4Exp n-gram table (``Qwen4ExpTextNGramEmbedding.ngram_embedding``,
+in the checkpoint a shard family ``....ngram_embedding.shard_{i}.weight`` that
+transformers would concatenate in memory) and every ``embed_tokens_per_layer``
+embedding (Gemma 3n's per-layer inputs).  A list of module names offloads
+those ``nn.Embedding`` modules instead.  :func:`offload` does the same to a
+model already built (on the meta device, say).
+
+How: transformers builds the model on the meta device, then loads each
+checkpoint tensor that matches a parameter; a tensor that matches none is
+reported "unexpected" and never read.  ``from_pretrained`` therefore loads
+through a subclass of ``model_class`` made for the call (same name and
+module, so ``config.architectures`` and transformers' weight conversions stay
+those of ``model_class``; the model is given back as a ``model_class``) whose
+``__init__`` swaps the offloaded modules for ``DiskEmbedding`` modules over
+tables opened from the checkpoint's headers, and whose
+``_keys_to_ignore_on_load_unexpected`` covers their tensors, so that
+transformers neither reads them nor warns about them.
+
+What each module did is kept: an ``nn.Embedding``'s lookup bit for bit, in
+the dtype its weight would have had (``dtype=torch.bfloat16`` of an fp32
+checkpoint: torch's own cast of the stored values); Gemma's
+``*ScaledWordEmbedding`` multiplies by ``embed_scale`` cast to that dtype, as
+the original does; a Qwen4Exp n-gram module keeps its own ids, hashing and
+flatten, only its inner ``ngram_embedding`` is replaced.  Other subclasses of
+``nn.Embedding`` with a forward of their own are refused, as are tied weights
+(the other side of the tie would need the table in memory) and ``max_norm``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ple.config import GatherConfig
+from ple.layers.disk_embedding import DTYPES, DiskEmbedding
+from ple.safetensors_header import TensorEntry, read_header
+from ple.table import SHARD_NAME, Table
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["ScaledDiskEmbedding", "close_tables", "from_pretrained", "offload", "tables"]
+
+SAFE_WEIGHTS_NAME = "model.safetensors"
+SAFE_WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
+
+
+class ScaledDiskEmbedding(DiskEmbedding):
+    """A :class:`DiskEmbedding` that multiplies its rows as transformers'
+    ``*ScaledWordEmbedding`` modules do: by the buffer ``embed_scale`` cast to
+    the rows' dtype (the Gemma family: ``super().forward(ids) *
+    self.embed_scale.to(self.weight.dtype)``), or by a Python float
+    ``embed_scale`` (BART and its kin).  ``embed_scale`` is a non-persistent
+    buffer, cast by ``.to(dtype)`` as the original's is;
+    ``scalar_embed_scale`` is the value it is initialized with."""
+
+    def __init__(self, table: Table, dtype: torch.dtype | None = None, *,
+                 embed_scale: torch.Tensor | float, scalar_embed_scale: float | None = None,
+                 padding_idx: int | None = None, device: torch.device | str | None = None):
+        super().__init__(table, dtype, padding_idx=padding_idx, device=device)
+        if isinstance(embed_scale, torch.Tensor):
+            self.register_buffer("embed_scale", embed_scale, persistent=False)
+        elif isinstance(embed_scale, float):
+            self.embed_scale = embed_scale
+        else:
+            raise TypeError(f"embed_scale must be a tensor or a float, not {type(embed_scale).__name__}")
+        self.scalar_embed_scale = scalar_embed_scale
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        rows = super().forward(ids)
+        if isinstance(self.embed_scale, torch.Tensor):
+            return rows * self.embed_scale.to(self.dtype)
+        return rows * self.embed_scale
+
+    @torch.no_grad()
+    def reset_scale(self) -> None:
+        """Sets ``embed_scale`` to ``scalar_embed_scale`` as transformers'
+        ``_init_weights`` does (``init.constant_``): transformers' loader
+        replaces every non-persistent buffer with an empty one and initializes
+        only the modules of its own classes."""
+        if isinstance(self.embed_scale, torch.Tensor) and self.scalar_embed_scale is not None:
+            self.embed_scale.fill_(self.scalar_embed_scale)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, scalar_embed_scale={self.scalar_embed_scale}"
+
+
+def tables(model: nn.Module) -> dict[str, Table]:
+    """The ple tables of ``model``'s offloaded modules, by module name."""
+    return {name: module.table for name, module in model.named_modules()
+            if isinstance(module, DiskEmbedding)}
+
+
+def close_tables(model: nn.Module) -> None:
+    """Closes every table of ``model`` (their modules cannot run after)."""
+    for module in model.modules():
+        if isinstance(module, DiskEmbedding):
+            module.close()
+
+
+def from_pretrained(model_class, path: str | os.PathLike, *, offload: str | Iterable[str] = "auto",
+                    gather_config: GatherConfig | None = None, **kwargs):
+    """``model_class.from_pretrained(path, **kwargs)`` with the tables of
+    ``offload`` ("auto", or module names such as ``"model.embed_tokens"``)
+    left in the checkpoint's files and served by ple, each table opened with
+    ``gather_config``.  ``path`` is a local directory of a safetensors
+    checkpoint (``model.safetensors`` or a sharded one with its index;
+    ``subfolder=`` and ``variant=`` are honoured).  The model comes back as a
+    ``model_class``; ``model.ple_offloaded`` maps each offloaded module's name
+    to the tensor or shard family it reads, and :func:`tables` gives the
+    tables.  With ``"auto"`` and no table found, the model loads as usual
+    (a warning says so)."""
+    for unsupported in ("gguf_file", "state_dict"):
+        if kwargs.get(unsupported) is not None:
+            raise ValueError(f"ple.integrations.transformers.from_pretrained serves tables from "
+                             f"safetensors checkpoint files; {unsupported}= is not supported")
+    if kwargs.get("use_safetensors") is False:
+        raise ValueError("ple serves tables from safetensors files; use_safetensors=False is not "
+                         "supported")
+    directory = Path(path, kwargs.get("subfolder") or "")
+    if not directory.is_dir():
+        raise FileNotFoundError(f"{directory}: not a local checkpoint directory (ple maps the "
+                                "checkpoint's own files, so it loads local checkpoints only)")
+    files = checkpoint_files(directory, kwargs.get("variant"))
+    entries = _read_entries(files)
+    opened: list[DiskEmbedding] = []
+    found: dict[str, str] = {}
+
+    def swap_in(model):
+        swapped = _swap(model, files, entries, offload, gather_config, kwargs.get("key_mapping"))
+        opened.extend(module for module, _ in swapped.values())
+        found.update({name: tensor for name, (_, tensor) in swapped.items()})
+
+    loading_class = _loading_class(model_class, swap_in)
+    try:
+        loaded = loading_class.from_pretrained(path, **kwargs)
+    except BaseException:
+        for module in opened:
+            module.close()
+        raise
+    model = loaded[0] if isinstance(loaded, tuple) else loaded
+    if type(model) is loading_class:
+        model.__class__ = model_class
+    for module in opened:
+        if isinstance(module, ScaledDiskEmbedding):
+            module.reset_scale()
+    model.ple_offloaded = found
+    _report(found, model, directory, offload)
+    return loaded
+
+
+def offload(model: nn.Module, path: str | os.PathLike | Iterable[str | os.PathLike],
+            names: str | Iterable[str] = "auto", *, gather_config: GatherConfig | None = None,
+            key_mapping: dict[str, str] | None = None) -> dict[str, Table]:
+    """Swaps the embeddings ``names`` ("auto", or module names) of a model
+    already built, on the meta device or not, for :class:`DiskEmbedding`
+    modules over their tables in the checkpoint ``path`` (a directory as for
+    :func:`from_pretrained`, or safetensors files).  The new modules' buffers
+    are on the old weights' device (the CPU for a meta weight).  Returns the
+    tables it opened by module name, and records them in
+    ``model.ple_offloaded`` as :func:`from_pretrained` does."""
+    if isinstance(path, (str, os.PathLike)) and Path(path).is_dir():
+        files = checkpoint_files(Path(path))
+    else:
+        items = [path] if isinstance(path, (str, os.PathLike)) else list(path)
+        files = [Path(p) for p in items]
+        for file in files:
+            if not file.is_file():
+                raise FileNotFoundError(f"{file}: no such checkpoint file")
+    swapped = _swap(model, files, _read_entries(files), names, gather_config, key_mapping)
+    offloaded = dict(getattr(model, "ple_offloaded", None) or {})
+    offloaded.update({name: tensor for name, (_, tensor) in swapped.items()})
+    model.ple_offloaded = offloaded
+    _report({name: tensor for name, (_, tensor) in swapped.items()}, model, files[0].parent, names)
+    return {name: module.table for name, (module, _) in swapped.items()}
+
+
+def checkpoint_files(directory: Path, variant: str | None = None) -> list[Path]:
+    """The safetensors files transformers would load from ``directory``: those
+    of ``model.safetensors.index.json``, else ``model.safetensors``."""
+    index = directory / _add_variant(SAFE_WEIGHTS_INDEX_NAME, variant)
+    if index.is_file():
+        weight_map = json.loads(index.read_text()).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise ValueError(f"{index}: no weight_map")
+        return [directory / name for name in sorted(set(weight_map.values()))]
+    single = directory / _add_variant(SAFE_WEIGHTS_NAME, variant)
+    if single.is_file():
+        return [single]
+    raise FileNotFoundError(f"{directory}: neither {index.name} nor {single.name}: ple serves "
+                            "tables from safetensors checkpoints")
+
+
+def _add_variant(name: str, variant: str | None) -> str:
+    if variant is None:
+        return name
+    stem, ext = name.split(".", 1)
+    return f"{stem}.{variant}.{ext}"
+
+
+def _read_entries(files: list[Path]) -> dict[str, TensorEntry]:
+    entries: dict[str, TensorEntry] = {}
+    for file in files:
+        entries.update(read_header(file))
+    return entries
+
+
+def _loading_class(model_class, swap_in):
+    """A subclass of ``model_class`` whose ``__init__`` calls ``swap_in`` on
+    the model it has built.  Same ``__name__``, ``__qualname__`` and
+    ``__module__``: transformers picks its weight conversions by class name
+    and skips them for classes outside its own modules (``is_custom_code``)."""
+    if not (isinstance(model_class, type) and hasattr(model_class, "from_pretrained")):
+        raise TypeError(f"model_class must be a transformers model class, not {model_class!r}")
+
+    def __init__(self, config, *args, **kwargs):
+        model_class.__init__(self, config, *args, **kwargs)
+        swap_in(self)
+
+    return type(model_class.__name__, (model_class,),
+                {"__init__": __init__, "__module__": model_class.__module__,
+                 "__qualname__": model_class.__qualname__,
+                 "__doc__": model_class.__doc__})
+
+
+def auto_names(model: nn.Module) -> list[str]:
+    """The modules ``offload="auto"`` offloads: the ``ngram_embedding`` of
+    every Qwen4Exp n-gram module, and every ``nn.Embedding`` named
+    ``embed_tokens_per_layer`` (Gemma 3n's per-layer inputs)."""
+    names = []
+    for name, module in model.named_modules():
+        if type(module).__name__.endswith("NGramEmbedding") and isinstance(
+                getattr(module, "ngram_embedding", None), (nn.Embedding, DiskEmbedding)):
+            names.append(f"{name}.ngram_embedding" if name else "ngram_embedding")
+        elif name.rsplit(".", 1)[-1] == "embed_tokens_per_layer" and isinstance(
+                module, (nn.Embedding, DiskEmbedding)):
+            names.append(name)
+    return names
+
+
+def _swap(model: nn.Module, files: list[Path], entries: dict[str, TensorEntry], names,
+          gather_config: GatherConfig | None, key_mapping) -> dict[str, tuple[DiskEmbedding, str]]:
+    """Replaces the modules ``names`` of ``model`` with DiskEmbedding modules
+    over their checkpoint tensors.  Returns ``{name: (module, tensor)}``;
+    every table opened is closed again if one of them fails."""
+    if isinstance(names, str) and names == "auto":
+        names = [name for name in auto_names(model)
+                 if not isinstance(model.get_submodule(name), DiskEmbedding)]
+    elif isinstance(names, str):
+        names = [names]
+    names = list(dict.fromkeys(names))
+    originals = {name: _offloadable(model, name) for name in names}
+    where = _Keys(model, entries, files, key_mapping)
+    done: dict[str, tuple[DiskEmbedding, str]] = {}
+    try:
+        for name, original in originals.items():
+            tensor, files_of_table, reported = where.table_of(name)
+            table = Table.from_safetensors(files_of_table, tensor, gather_config)
+            try:
+                replacement = _replacement(name, original, table)
+            except BaseException:
+                table.close()
+                raise
+            done[name] = (replacement, tensor)
+            where.ignore_unexpected(reported)
+        for name, (replacement, _) in done.items():
+            parent, _, child = name.rpartition(".")
+            setattr(model.get_submodule(parent), child, replacement)
+    except BaseException:
+        for replacement, _ in done.values():
+            replacement.close()
+        raise
+    return done
+
+
+def _offloadable(model: nn.Module, name: str) -> nn.Embedding:
+    try:
+        module = model.get_submodule(name)
+    except AttributeError:
+        raise ValueError(f"{type(model).__name__} has no module named {name!r}") from None
+    if isinstance(module, DiskEmbedding):
+        raise ValueError(f"{name!r} is already served by ple ({module.table.name!r})")
+    if not isinstance(module, nn.Embedding):
+        raise TypeError(f"{name!r} is a {type(module).__name__}, not an nn.Embedding: ple serves "
+                        "embedding lookups only")
+    _semantics(name, module)
+    if module.max_norm is not None:
+        raise ValueError(f"{name!r} has max_norm={module.max_norm}: its lookup rewrites the "
+                         "weight, which ple cannot do to a table in its files")
+    if module.weight.dtype not in DTYPES:
+        raise TypeError(f"{name!r} has a {module.weight.dtype} weight; ple gives rows in {DTYPES}")
+    tied = getattr(model, "all_tied_weights_keys", None) or {}
+    key = f"{name}.weight"
+    for target, source in tied.items():
+        if key in (target, source):
+            raise ValueError(f"{key!r} is tied to {(source if key == target else target)!r} "
+                             "(tie_word_embeddings): the other side needs the table in memory, "
+                             "so ple cannot serve it from disk")
+    return module
+
+
+def _semantics(name: str, module: nn.Embedding) -> str:
+    """"plain" for a lookup as nn.Embedding's, "scaled" for transformers'
+    *ScaledWordEmbedding; anything else is refused."""
+    if type(module).forward is nn.Embedding.forward:
+        return "plain"
+    scale = getattr(module, "embed_scale", None)
+    if type(module).__name__.endswith("ScaledWordEmbedding") and (
+            isinstance(scale, torch.Tensor) and scale.numel() == 1 or isinstance(scale, float)):
+        return "scaled"
+    raise TypeError(f"{name!r} is a {type(module).__name__}, a subclass of nn.Embedding with a "
+                    "forward of its own, which ple does not know how to keep; ple replaces "
+                    "nn.Embedding and transformers' *ScaledWordEmbedding modules")
+
+
+def _replacement(name: str, original: nn.Embedding, table: Table) -> DiskEmbedding:
+    want = (original.num_embeddings, original.embedding_dim)
+    if (table.num_rows, table.cols) != want:
+        raise ValueError(f"{name!r} is an embedding of {want[0]} x {want[1]}, but its table "
+                         f"{table.name!r} in {', '.join(str(p) for p in table.paths)} has "
+                         f"{table.num_rows} rows of {table.cols}")
+    weight = original.weight
+    device = weight.device if weight.device.type != "meta" else torch.device("cpu")
+    kwargs = dict(padding_idx=original.padding_idx, device=device)
+    if _semantics(name, original) == "plain":
+        return DiskEmbedding(table, weight.dtype, **kwargs)
+    scale = original.embed_scale
+    scalar = getattr(original, "scalar_embed_scale", None)
+    if isinstance(scale, torch.Tensor):
+        if scale.device.type != "meta":
+            scale = scale.detach().clone()
+        elif scalar is None:
+            raise ValueError(f"{name!r}: embed_scale is on the meta device and the module has no "
+                             "scalar_embed_scale to make it from")
+        else:
+            scale = torch.full(scale.shape, scalar, dtype=scale.dtype, device=device)
+    return ScaledDiskEmbedding(table, weight.dtype, embed_scale=scale, scalar_embed_scale=scalar,
+                               **kwargs)
+
+
+def _family(key: str) -> str | None:
+    """The shard family prefix of ``<prefix>.shard_{i}.weight``, else None."""
+    match = SHARD_NAME.match(key)
+    return match["prefix"] if match else None
+
+
+class _Keys:
+    """Which checkpoint tensors hold a module's weight: the keys that
+    transformers' loader would rename to ``<name>.weight`` (with the model's
+    weight conversions: a Qwen4Exp shard family, base-model prefixes), or,
+    for a model that is not a transformers model, ``<name>.weight`` and
+    ``<name>.shard_{i}.weight`` as they are."""
+
+    def __init__(self, model: nn.Module, entries: dict[str, TensorEntry], files: list[Path],
+                 key_mapping):
+        self.model = model
+        self.entries = entries
+        self.files = files
+        self.prefix = getattr(model, "base_model_prefix", "") or ""
+        self._renamed: dict[str, str] | None = None
+        self.key_mapping = key_mapping
+
+    def renamed(self) -> dict[str, str]:
+        """{checkpoint key: the model key transformers loads it into}."""
+        if self._renamed is None:
+            self._renamed = self._rename_all()
+        return self._renamed
+
+    def _rename_all(self) -> dict[str, str]:
+        try:
+            from transformers import PreTrainedModel
+            from transformers.conversion_mapping import get_model_conversion_mapping
+            from transformers.core_model_loading import (WeightConverter, WeightRenaming,
+                                                         rename_source_key)
+        except ImportError:
+            return {key: key for key in self.entries}
+        if not isinstance(self.model, PreTrainedModel):
+            return {key: key for key in self.entries}
+        mapping = get_model_conversion_mapping(self.model, self.key_mapping)
+        renamings = [m for m in mapping if isinstance(m, WeightRenaming)]
+        converters = [m for m in mapping if isinstance(m, WeightConverter)]
+        state = dict.fromkeys(self.model.state_dict(), True)
+        renamed = {}
+        for key in self.entries:
+            new, _ = rename_source_key(key, renamings, converters, self.prefix, state)
+            if new not in state and key in state:  # as the loader does
+                new, _ = rename_source_key(key, [], [], self.prefix, state)
+            renamed[key] = new
+        return renamed
+
+    def table_of(self, name: str) -> tuple[str, list[Path], set[str]]:
+        """The tensor or shard family of module ``name``, the files to open
+        it from, and the model keys the loader will report unexpected."""
+        target = f"{name}.weight"
+        keys = sorted(key for key, new in self.renamed().items() if new == target)
+        if not keys:
+            # Not a transformers model, or no conversion: the names as they are.
+            keys = sorted(key for key in self.entries
+                          if key == target or _family(key) == name)
+        if not keys:
+            raise ValueError(
+                f"no table for {name!r} in {self._where()}: looked for a tensor {target!r} or a "
+                f"shard family '{name}.shard_{{i}}.weight' (after transformers' key renaming, "
+                f"so also with or without the prefix {self.prefix!r})")
+        prefixes = {_family(key) for key in keys}
+        if len(keys) == 1 and None in prefixes:
+            tensor, scale = keys[0], f"{keys[0]}_scale"
+        elif None not in prefixes and len(prefixes) == 1:
+            tensor = prefixes.pop()
+            scale = f"{tensor}.weight_scale"
+        else:
+            raise ValueError(f"{name!r}: several checkpoint tensors load into {target!r} ({keys}), "
+                             "neither one tensor nor one shard family")
+        holding = [*keys, scale] if scale in self.entries else keys
+        paths = list(dict.fromkeys(self.entries[key].path for key in holding))
+        reported = {target, *(self.renamed().get(key, key) for key in holding)}
+        return tensor, paths, reported
+
+    def ignore_unexpected(self, keys: set[str]) -> None:
+        """Adds the keys to the model's ``_keys_to_ignore_on_load_unexpected``
+        (regexes searched in the reported keys), with or without the
+        base-model prefix, so that transformers does not warn about them."""
+        patterns = set()
+        for key in keys:
+            rest = key.removeprefix(f"{self.prefix}.") if self.prefix else key
+            prefix = rf"(?:{re.escape(self.prefix)}\.)?" if self.prefix else ""
+            patterns.add(rf"^{prefix}{re.escape(rest)}$")
+        ignored = getattr(self.model, "_keys_to_ignore_on_load_unexpected", None) or set()
+        self.model._keys_to_ignore_on_load_unexpected = (
+            ignored | patterns if isinstance(ignored, set) else [*ignored, *sorted(patterns)])
+
+    def _where(self) -> str:
+        shown = ", ".join(str(f) for f in self.files[:3])
+        return shown + (f" and {len(self.files) - 3} more files" if len(self.files) > 3 else "")
+
+
+def _report(found: dict[str, str], model: nn.Module, where: Path, asked) -> None:
+    if not found:
+        if asked == "auto":
+            logger.warning("ple: %s has no table that offload='auto' serves (Qwen4Exp n-gram "
+                           "tables, embed_tokens_per_layer); nothing was offloaded",
+                           type(model).__name__)
+        return
+    served = tables(model)
+    total = sum(served[name].num_rows * served[name].row_bytes for name in found if name in served)
+    logger.info("ple: %d table%s (%.1f MiB) served from the files in %s, not loaded: %s",
+                len(found), "" if len(found) == 1 else "s", total / 2**20, where,
+                ", ".join(f"{name} <- {tensor}" for name, tensor in found.items()))
