@@ -32,7 +32,8 @@ class DiskEmbedding(torch.nn.Module):
     which also moves with ``.to(device)``.  float64 rows are gathered as
     float32 and widened (exactly: every table's values are float32 values).
 
-    The module owns ``table``: :meth:`close` closes it.  Inference only: the
+    The module owns ``table``: :meth:`close` closes it (so does leaving a
+    ``with`` block of the module).  Inference only: the
     table has no gradient, and ``max_norm`` is not supported.
     """
 
@@ -100,6 +101,13 @@ class DiskEmbedding(torch.nn.Module):
                 (self.num_embeddings, self.embedding_dim), dtype=self.dtype, device="meta")
         return weight
 
+    def __setattr__(self, name: str, value) -> None:
+        if name == "weight":  # as tie_weights would
+            raise AttributeError(f"DiskEmbedding.weight stands for the rows of table "
+                                 f"{self.table.name!r}, which stay in its files: it cannot be "
+                                 "assigned (a tied weight cannot be served from disk)")
+        super().__setattr__(name, value)
+
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         dtype = self.dtype
         if dtype in OUTPUT_DTYPES:
@@ -116,6 +124,12 @@ class DiskEmbedding(torch.nn.Module):
     def close(self) -> None:
         """Closes the table (unmaps its files); the module cannot run after."""
         self.table.close()
+
+    def __enter__(self) -> "DiskEmbedding":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def extra_repr(self) -> str:
         padding = "" if self.padding_idx is None else f", padding_idx={self.padding_idx}"
