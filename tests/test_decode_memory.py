@@ -109,7 +109,9 @@ def test_chunks_give_the_same_bits(monkeypatch, fmt, dtype):
 
         f = BLOCK_FORMATS[fmt]
         raw_np = rng.integers(0, 256, (37, 2 * f.block_bytes), dtype=np.uint8)
-        raw_np[:, 0:2] = raw_np[:, f.block_bytes:f.block_bytes + 2] = 0x10  # finite f16 scales
+        for block in (0, f.block_bytes):  # finite f16 scales: first (Q8_0, Q4_K's d and
+            # dmin) and last (Q6_K's d) bytes of each block
+            raw_np[:, block:block + 4] = raw_np[:, block + f.block_bytes - 2:block + f.block_bytes] = 0x10
         raw = torch.from_numpy(raw_np)
         want = torch.from_numpy(dequantize(raw_np, GGMLQuantizationType(f.gguf_type))).to(dtype)
         scale = 1.0
