@@ -101,11 +101,18 @@ class NGramEmbedding(torch.nn.Module):
         ``qwen4exp.ple.*`` constants (multipliers, head sizes and offsets,
         EOS) replace the derived ones.  The other arguments as in
         :meth:`from_safetensors`."""
-        constants, eos = _gguf_constants(Path(path), ple_layer_index)
-        if eos is not None:
-            hashing_args["eos_id"] = eos
-        hashing = _hashing(model_config, ple_layer_index, constants, hashing_args)
-        return cls._opened(Table.from_gguf(path, tensor, config), hashing, dtype, process_group)
+        # The table first: opening it refuses what is not a regular file,
+        # which gguf's reader of the constants would block on (a FIFO).
+        table = Table.from_gguf(path, tensor, config)
+        try:
+            constants, eos = _gguf_constants(Path(path), ple_layer_index)
+            if eos is not None:
+                hashing_args["eos_id"] = eos
+            hashing = _hashing(model_config, ple_layer_index, constants, hashing_args)
+        except BaseException:
+            table.close()
+            raise
+        return cls._opened(table, hashing, dtype, process_group)
 
     @classmethod
     def _opened(cls, table: Table, hashing: NGramHashing, dtype: torch.dtype, process_group

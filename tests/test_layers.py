@@ -7,7 +7,10 @@ with CUDA graphs and captured by hand, with tiers placed."""
 
 from __future__ import annotations
 
+import os
 import re
+import subprocess
+import sys
 
 import gguf
 import numpy as np
@@ -205,6 +208,17 @@ def test_ngram_embedding_reads_gguf_constants(tmp_path):
         mixed2 = (tokens * 19) ^ (prev * 23)
         assert torch.equal(ids, torch.stack([mixed2 % 41, (mixed2 ^ (prev2 * 29)) % 43 + 41], 1))
         assert_same_bits(layer(tokens), torch.from_numpy(values[ids.numpy()]).reshape(4, -1))
+
+
+def test_ngram_embedding_refuses_a_fifo_for_a_gguf_file(tmp_path):
+    """In a child with a timeout: reading a FIFO would block forever."""
+    fifo = tmp_path / "ple.gguf"
+    os.mkfifo(fifo)
+    script = (f"from ple.layers import NGramEmbedding\n"
+              f"try:\n    NGramEmbedding.from_gguf({str(fifo)!r}, 't', vocab_size=10, eos_id=1)\n"
+              f"except ValueError as error:\n    print(error)\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert f"{fifo}: not a regular file (a FIFO)" in done.stdout, done.stderr
 
 
 @pytest.mark.parametrize("tensor", ["token_embd.weight", "q4_0", "bf16"])
