@@ -1,13 +1,31 @@
 # Two commands on a fresh machine (Python 3.11, no torch):
 #   make demo   sets up .venv and runs the main job (tools/demo.py)
 #   make test   sets up .venv and runs the whole test suite
+# and one for the supported torch range (.ci/run runs it after `make test`):
+#   make test-torch-range   the not-slow tests against the oldest supported
+#                           torch and the newest pip installs here, each in
+#                           its own venv (.venv-torch-oldest, .venv-torch-newest)
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 # Where torch is missing, this one is installed (a CPU build on these machines).
 TORCH_SPEC ?= torch==2.13.0
+# TORCH_PIN=1 installs TORCH_SPEC over another torch in the venv too.
+TORCH_PIN ?= 0
+# The extras of pyproject.toml that ple is installed with.
+EXTRAS ?= test,transformers
+# The ends of the supported range (pyproject.toml: torch>=2.9). The newest is
+# the newest that pip installs on these machines (they cap torch at 2.14.1).
+TORCH_OLDEST ?= torch==2.9.1
+TORCH_NEWEST ?= torch==2.14.1
 
-.PHONY: demo test setup
+# Everything that shapes the build or the install: a change to any of these,
+# or another torch in the venv (its version.py), installs and builds again.
+BUILD_INPUTS := Makefile setup.py pyproject.toml kernels/build_flags.py \
+	$(wildcard kernels/*.cpp kernels/*.h) \
+	$(wildcard $(VENV)/lib/python*/site-packages/torch/version.py)
+
+.PHONY: demo test setup test-torch-range
 demo: setup
 	$(PY) tools/demo.py $(ARGS)
 
@@ -16,9 +34,15 @@ test: setup
 
 setup: $(VENV)/.installed
 
-$(VENV)/.installed: setup.py pyproject.toml $(wildcard kernels/*.cpp kernels/*.h)
+$(VENV)/.installed: $(BUILD_INPUTS)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH_SPEC)"
+	if [ "$(TORCH_PIN)" = 1 ] || ! $(PY) -c "import torch" 2>/dev/null; then \
+		$(PY) -m pip install -q "$(TORCH_SPEC)"; fi
 	$(PY) -m pip install -q setuptools wheel ninja numpy safetensors gguf pytest hypothesis triton
-	$(PY) -m pip install -q --no-build-isolation -e '.[test]'
+	$(PY) -m pip install -q --no-build-isolation -e '.[$(EXTRAS)]'
 	touch $@
+
+# The extra venvs take no transformers: the tests that need it skip without it.
+test-torch-range:
+	$(MAKE) test VENV=.venv-torch-oldest TORCH_SPEC='$(TORCH_OLDEST)' TORCH_PIN=1 EXTRAS=test ARGS='-m "not slow or torch_range"'
+	$(MAKE) test VENV=.venv-torch-newest TORCH_SPEC='$(TORCH_NEWEST)' TORCH_PIN=1 EXTRAS=test ARGS='-m "not slow or torch_range"'

@@ -5,12 +5,22 @@
 
 import sys
 
-import torch
 from setuptools import setup
-from torch.utils.cpp_extension import BuildExtension, CppExtension
 
 sys.path.insert(0, "kernels")
-from build_flags import LIBRARIES, compile_args, sources  # noqa: E402  (ple is not installed yet)
+# ple is not installed yet: build_flags is read as a plain module.
+from build_flags import LIBRARIES, compile_args, module_name, sources, unsupported  # noqa: E402
+
+try:
+    import torch
+except ImportError:
+    sys.exit("ple is built against the torch already installed, and this environment has none "
+             "(a plain `pip install .` builds in an isolated one): install torch first, then "
+             "`pip install --no-build-isolation .`")
+if unsupported(torch.__version__):
+    sys.exit(unsupported(torch.__version__))
+
+from torch.utils.cpp_extension import BuildExtension, CppExtension  # noqa: E402
 
 # kernels/native.py compiles the same files when the built module does not fit.
 SOURCES = sources("kernels")
@@ -23,7 +33,7 @@ setup(
     package_data={"ple.kernels": ["*.cpp", "*.h"]},
     ext_modules=[
         CppExtension(
-            "ple.kernels._C",
+            f"ple.kernels.{module_name(torch.__version__)}",
             SOURCES,
             extra_compile_args=compile_args(torch.__version__),
             libraries=list(LIBRARIES),

@@ -3,13 +3,14 @@ running torch, otherwise the same sources compiled now with ninja."""
 
 from __future__ import annotations
 
+import importlib
 import logging
 import os
 from pathlib import Path
 
 import torch
 
-from .build_flags import LIBRARIES, compile_args, sources
+from .build_flags import LIBRARIES, compile_args, module_name, sources, torch_tag, unsupported
 
 log = logging.getLogger("ple")
 
@@ -20,21 +21,22 @@ def _prebuilt():
     if os.environ.get("PLE_FORCE_JIT") == "1":
         return None
     try:
-        from . import _C
+        # setup.py names the module after the torch it was built against.
+        module = importlib.import_module(f".{module_name(torch.__version__)}", __package__)
     except ImportError as error:
         log.info("ple: no usable prebuilt native module (%s)", error)
         return None
-    if _C.torch_version != torch.__version__:
+    if module.torch_version != torch.__version__:
         log.info("ple: prebuilt native module is for torch %s, running %s",
-                 _C.torch_version, torch.__version__)
+                 module.torch_version, torch.__version__)
         return None
-    return _C
+    return module
 
 
 def _compile_now():
     from torch.utils import cpp_extension
 
-    tag = torch.__version__.replace("+", "_").replace(".", "_")
+    tag = torch_tag(torch.__version__)
     build_dir = Path(os.environ.get("PLE_BUILD_DIR", Path.home() / ".cache" / "ple" / tag))
     build_dir.mkdir(parents=True, exist_ok=True)
     log.warning("ple: compiling the native gather for torch %s in %s (once, about a minute)",
@@ -49,4 +51,6 @@ def _compile_now():
     )
 
 
+if unsupported(torch.__version__):
+    log.warning("%s; ple may not build or run here", unsupported(torch.__version__))
 native = _prebuilt() or _compile_now()

@@ -168,7 +168,16 @@ def load_interpreted(path: Path, stand_ins: dict[str, Path] | None = None) -> Mo
 
 
 # Integer views of float tensors, by element size: comparisons to the bit.
-INT_VIEW = {4: torch.int32, 2: torch.int16}
+INT_VIEW = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
+
+
+def take_rows(values: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """``values[ids]``, indexed through an integer view of the same width:
+    torch 2.9 does not index float8 tensors on the CPU ('"index_cpu" not
+    implemented for 'Float8_e4m3fn''), and the bits come out the same."""
+    if not values.dtype.is_floating_point:
+        return values[ids]
+    return values.view(INT_VIEW[values.element_size()])[ids].view(values.dtype)
 
 
 def bits(values: torch.Tensor) -> torch.Tensor:

@@ -29,7 +29,7 @@ from hypothesis import strategies as st
 from safetensors.torch import save_file
 
 import ple
-from helpers import PAGE, ByteTable, write_byte_table
+from helpers import PAGE, ByteTable, take_rows, write_byte_table
 from ple import GatherConfig
 from ple.config import POLICIES
 
@@ -210,7 +210,7 @@ def test_disk_gather_values_equal_torch_conversion(case):
             got = torch.ops.ple.disk_gather(ids, table.handle, out_dtype)
 
     dtype = out_dtype or (torch.float32 if fmt in SCALED else storage)
-    picked = values[ids.long()]
+    picked = take_rows(values, ids.long())
     expected = ((picked.to(torch.float32) * scale).to(dtype) if fmt in SCALED
                 else picked.to(dtype))
     assert got.dtype == dtype and got.shape == (len(ids), cols)
