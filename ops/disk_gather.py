@@ -30,6 +30,16 @@ def _checked(ids: torch.Tensor, handle: int, dtype: torch.dtype | None = None
     return table, dtype
 
 
+def gather(table: Table, ids, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The rows ``ids`` of ``table``, ``[*ids.shape, table.cols]`` in ``dtype``
+    (default ``table.dtype``) on the ids' device: ``torch.ops.ple.disk_gather``
+    for a table rather than its handle."""
+    if not isinstance(table, Table):
+        raise TypeError(f"ple.gather takes a ple.Table, not {type(table).__name__} (the operators "
+                        "take table.handle)")
+    return torch.ops.ple.disk_gather(torch.as_tensor(ids), table.handle, dtype)
+
+
 @torch.library.impl(_lib, "disk_gather_bytes", "CPU")
 def _disk_gather_bytes_cpu(ids: torch.Tensor, table: int) -> torch.Tensor:
     checked, _ = _checked(ids, table)

@@ -3,12 +3,15 @@ their checkpoint files, as ``torch.ops.ple`` operators.
 
     import ple, torch
     with ple.Table.from_safetensors("ckpt/") as table:
-        rows = torch.ops.ple.disk_gather(ids, table.handle, torch.bfloat16)
+        rows = ple.gather(table, ids, torch.bfloat16)   # torch.ops.ple.disk_gather(ids, table.handle, ...)
 """
 
-from . import ops  # noqa: F401  (registers torch.ops.ple)
-from .config import POLICIES, GatherConfig
-from .formats import FORMATS
-from .table import Table
+__version__ = "0.2.0"
 
-__all__ = ["FORMATS", "POLICIES", "GatherConfig", "Table"]
+from . import ops  # noqa: E402  (registers torch.ops.ple)
+from .config import POLICIES, GatherConfig  # noqa: E402
+from .formats import FORMATS  # noqa: E402
+from .ops.disk_gather import gather  # noqa: E402
+from .table import Table  # noqa: E402
+
+__all__ = ["FORMATS", "POLICIES", "GatherConfig", "Table", "__version__", "gather"]

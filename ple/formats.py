@@ -37,7 +37,7 @@ class RowFormat:
         return self.storage if self.storage.is_floating_point and not self.scaled else torch.float32
 
 
-FORMATS = {
+VALUE_FORMATS = {
     f.name: f
     for f in (
         RowFormat("f32", "F32", torch.float32, scaled=False),
@@ -49,7 +49,7 @@ FORMATS = {
     )
 }
 # GGUF block formats: sizes from gguf.GGML_QUANT_SIZES, values from
-# gguf.quants.dequantize (design.md, section 2).
+# gguf.quants.dequantize (docs/design.md, "Formats").
 BLOCK_FORMATS = {
     f.name: f
     for f in (
@@ -63,7 +63,9 @@ BLOCK_FORMATS = {
                   block_bytes=210),
     )
 }
-BY_SAFETENSORS_DTYPE = {f.safetensors_dtype: f for f in FORMATS.values()}
+# Every row format a table can have, by its name (``table.format``).
+FORMATS = {**VALUE_FORMATS, **BLOCK_FORMATS}
+BY_SAFETENSORS_DTYPE = {f.safetensors_dtype: f for f in VALUE_FORMATS.values()}
 # By the name of the GGML type (gguf.GGMLQuantizationType).
 BY_GGUF_TYPE = {"F32": FORMATS["f32"], "F16": FORMATS["f16"], "BF16": FORMATS["bf16"],
                 **{f.name.upper(): f for f in BLOCK_FORMATS.values()}}

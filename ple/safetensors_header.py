@@ -16,6 +16,7 @@ from pathlib import Path
 
 from .files import open_regular_binary
 
+GGUF_MAGIC = b"GGUF"
 # safetensors' own bound on the header; anything larger is a corrupt length.
 MAX_HEADER_BYTES = 100 * 1024 * 1024
 
@@ -103,6 +104,9 @@ def read_header(path: Path) -> dict[str, TensorEntry]:
         if len(prefix) < 8:
             raise ValueError(f"{path}: not a safetensors file ({file_size} bytes, "
                              "shorter than the 8-byte header length)")
+        if prefix.startswith(GGUF_MAGIC):
+            raise ValueError(f"{path}: a GGUF file, not a safetensors file: open it with "
+                             "ple.Table.from_gguf(path, tensor)")
         length = int.from_bytes(prefix, "little")
         if length == 0 or length > MAX_HEADER_BYTES or 8 + length > file_size:
             raise ValueError(f"{path}: corrupt safetensors header: header length {length} "

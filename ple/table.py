@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import os
 import re
+import threading
 import weakref
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -34,6 +35,9 @@ SCALE_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat
 
 # Open tables by handle, for the operators; a table that is dropped closes.
 _open_tables: "weakref.WeakValueDictionary[int, Table]" = weakref.WeakValueDictionary()
+# What tables closed in a forked child held of their parent's CUDA state (pinned
+# buffers, streams, tiers): the child can neither use nor free it, so it stays.
+_left_to_the_parent: list = []
 # The names of the last tables opened, by handle (handles are never reused), so
 # that a call with the handle of a closed table can say which table it was.
 _names_by_handle: dict[int, str] = {}
@@ -137,7 +141,10 @@ def _select(entries, families, tensor, files) -> tuple[str, list[TensorEntry], s
                              f"(found shards {shown})")
         return tensor, [family[i] for i in range(len(family))], f"{tensor}.weight_scale"
     if tensor in entries:
-        return tensor, [entries[tensor]], f"{tensor}_scale"
+        # One shard of a family is scaled by the family's scale.
+        shard = SHARD_NAME.match(tensor)
+        return tensor, [entries[tensor]], (f"{shard['prefix']}.weight_scale" if shard
+                                           else f"{tensor}_scale")
     raise ValueError(f"{where}: no tensor or shard family named {tensor!r}")
 
 
@@ -427,23 +434,34 @@ class Table:
 
     def close(self) -> None:
         """Unmaps the files; a gather in progress on another thread finishes
-        first.  Waits for the CUDA streams this table staged rows on, then
-        frees its pinned buffers: a CUDA graph that gathers from this table
-        must not be replayed after it is closed."""
-        if self._handle is None:
-            return
-        for staging in self._staging.values():
-            staging.stream.synchronize()
-            staging.free()
-        self._staging.clear()
-        for placement in (self.placement, *self._retired_placements):
-            if placement is not None:
-                placement.free()
-        self.placement = None
-        self._retired_placements = []
-        _open_tables.pop(self._handle, None)
-        native.close_table(self._handle)
-        self._handle = None
+        first, a prefetch in progress is stopped.  Waits for the CUDA streams
+        this table staged rows on, then frees its pinned buffers: a CUDA
+        graph that gathers from this table must not be replayed after it is
+        closed.  Closing again does nothing; a close while another thread's
+        runs waits for it.  In a child forked from a process that used CUDA,
+        the parent's CUDA buffers and tiers are left as they are (the child
+        cannot free them)."""
+        # One lock per table, however many threads come here first.
+        with self.__dict__.setdefault("_close_lock", threading.Lock()):
+            handle = self._handle
+            if handle is None:
+                return
+            if native.forked_after_cuda() or getattr(torch.cuda, "_is_in_bad_fork", bool)():
+                _left_to_the_parent.append((dict(self._staging), self.placement,
+                                            list(self._retired_placements)))
+            else:
+                for staging in self._staging.values():
+                    staging.stream.synchronize()
+                    staging.free()
+                for placement in (self.placement, *self._retired_placements):
+                    if placement is not None:
+                        placement.free()
+            self._staging.clear()
+            self.placement = None
+            self._retired_placements = []
+            _open_tables.pop(handle, None)
+            native.close_table(handle)  # without the GIL: it waits for the prefetch thread
+            self._handle = None
 
     def __enter__(self) -> "Table":
         return self
@@ -453,7 +471,7 @@ class Table:
 
     def __del__(self):
         # At interpreter exit the native module may already be gone.
-        if getattr(self, "_handle", None) is not None and native is not None:
+        if getattr(self, "_handle", None) is not None and native is not None and threading is not None:
             self.close()
 
     def __repr__(self) -> str:

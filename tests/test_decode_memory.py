@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from helpers import REPO, bits
-from ple.formats import BLOCK_FORMATS, FORMATS
+from ple.formats import BLOCK_FORMATS, FORMATS, VALUE_FORMATS
 from ple.kernels import decode
 
 MiB = 1 << 20
@@ -28,7 +28,7 @@ MiB = 1 << 20
 SCRIPT = r"""
 import json, sys
 import numpy as np, torch
-from ple.formats import BLOCK_FORMATS, FORMATS
+from ple.formats import BLOCK_FORMATS, FORMATS, VALUE_FORMATS
 from ple.kernels.decode import decode_rows
 
 def status(key):
@@ -98,8 +98,8 @@ def test_chunks_give_the_same_bits(monkeypatch, fmt, dtype):
     do not divide into them: the bits of the whole request decoded at once."""
     monkeypatch.setattr(decode, "CHUNK_VALUES", 100)
     rng = np.random.default_rng(7)
-    if fmt in FORMATS:
-        f = FORMATS[fmt]
+    if fmt in VALUE_FORMATS:
+        f = VALUE_FORMATS[fmt]
         raw = torch.from_numpy(rng.integers(0, 256, (2, 37, 48), dtype=np.uint8))
         want = _reference(raw, f, 0.37, dtype)
         scale = 0.37
