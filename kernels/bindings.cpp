@@ -1,8 +1,12 @@
 // The Python face of the native part: tables by handle, the row gather, and
 // counters.  Operators are registered in Python (ops/), on top of these.
+#include <pthread.h>
 #include <torch/extension.h>
 
+#include <atomic>
+
 #include "host_gather.h"
+#include "interrupt.h"
 #include "mapped_table.h"
 
 namespace py = pybind11;
@@ -12,6 +16,47 @@ namespace py = pybind11;
 #define PLE_STRINGIFY(x) PLE_STRINGIFY2(x)
 
 namespace {
+
+// Python runs signal handlers on its main thread only (a forked child's main
+// thread is the one that forked).
+std::atomic<unsigned long> main_thread{0};
+const int main_thread_after_fork =
+    ::pthread_atfork(nullptr, nullptr, [] { main_thread.store(PyThread_get_thread_ident()); });
+
+// Whether a signal handler raised during this thread's gather.
+thread_local bool handler_raised = false;
+
+// The poll of a gather started from Python's main thread: runs the pending
+// signal handlers, the GIL taken for the moment.  One that raises (Ctrl-C's
+// KeyboardInterrupt) stops the gather; its exception stays set, to be
+// raised once the gather has stopped.
+bool poll_python_signals() {
+  const PyGILState_STATE gil = PyGILState_Ensure();
+  const bool raised = PyErr_CheckSignals() != 0;
+  PyGILState_Release(gil);
+  handler_raised = handler_raised || raised;
+  return raised;
+}
+
+// While it lives, the gathers of this thread run Python's signal handlers
+// now and then (on the main thread; elsewhere there are none to run).
+class PythonSignals {
+ public:
+  PythonSignals()
+      : poll_(PyThread_get_thread_ident() == main_thread.load() ? &poll_python_signals : nullptr) {
+    handler_raised = false;
+  }
+  // Raises what a handler raised, if one did (then whatever the gather
+  // threw is dropped: the handler's exception is the one to see).
+  void raise_if_raised() {
+    if (!handler_raised) return;
+    handler_raised = false;
+    throw py::error_already_set();
+  }
+
+ private:
+  ple::ScopedPoll poll_;
+};
 
 int64_t open_table(const std::vector<std::string>& paths, const std::vector<int64_t>& shard_file,
                    const std::vector<int64_t>& shard_offset, const std::vector<int64_t>& shard_rows,
@@ -47,12 +92,21 @@ void read_rows(int64_t handle, const torch::Tensor& ids, torch::Tensor& out, ple
   const void* id_data = ids.data_ptr();
   uint8_t* out_data = out.data_ptr<uint8_t>();
   const bool is_int64 = ids.scalar_type() == torch::kInt64;
-  py::gil_scoped_release no_gil;
-  if (for_tiers) {
-    ple::gather_rows(*table, id_data, is_int64, ids.numel(), out_data, resident, /*use_row_cache=*/false);
-  } else {
-    table->gather(id_data, is_int64, ids.numel(), out_data, resident);
+  PythonSignals signals;
+  try {
+    py::gil_scoped_release no_gil;
+    if (for_tiers) {
+      ple::Interruption stop;
+      ple::gather_rows(*table, id_data, is_int64, ids.numel(), out_data, resident,
+                       /*use_row_cache=*/false, stop);
+    } else {
+      table->gather(id_data, is_int64, ids.numel(), out_data, resident);
+    }
+  } catch (...) {
+    signals.raise_if_raised();
+    throw;
   }
+  signals.raise_if_raised();
 }
 
 void prefetch(int64_t handle, const torch::Tensor& ids, int64_t resident_begin,
@@ -72,8 +126,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "ple native part: memory-mapped tables and the windowed row gather";
   py::register_exception<ple::OsError>(m, "NativeOSError", PyExc_OSError);
   m.attr("torch_version") = PLE_STRINGIFY(PLE_TORCH_VERSION);
+  m.attr("MAX_THREADS") = ple::kMaxThreads;
+  main_thread.store(py::module_::import("threading").attr("main_thread")().attr("ident").cast<unsigned long>());
   m.def("open_table", &open_table, "Maps a table's shards; returns its handle");
-  m.def("close_table", &ple::unregister_table, "Forgets a handle; unmaps when no gather holds it");
+  // Without the GIL: closing waits for the table's prefetch thread to stop.
+  m.def("close_table", &ple::unregister_table, py::call_guard<py::gil_scoped_release>(),
+        "Forgets a handle and stops its prefetches; unmaps when no gather holds it");
   m.def("configure", &configure, "Sets policy, window (bytes), threads and row cache (bytes)");
   m.def(
       "gather",
@@ -109,5 +167,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   });
   m.def("take_host_error", &ple::take_host_error,
         "The error of a failed host gather of a table on a stream, once");
-  m.def("drop_page_cache", [](int64_t h) { ple::find_table(h)->drop_page_cache(); });
+  m.def("drop_page_cache", [](int64_t h) {
+    auto table = ple::find_table(h);
+    py::gil_scoped_release no_gil;
+    table->drop_page_cache();
+  });
+  m.def("forked_after_cuda", &ple::forked_after_cuda,
+        "Whether this process is a forked child of one that used the CUDA driver");
 }

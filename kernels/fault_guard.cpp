@@ -1,5 +1,6 @@
 #include "fault_guard.h"
 
+#include <pthread.h>
 #include <setjmp.h>
 #include <signal.h>
 
@@ -18,6 +19,11 @@ thread_local sigjmp_buf* volatile active_guard = nullptr;
 
 std::mutex install_mutex;
 struct sigaction previous_handler;  // what SIGBUS did before ours
+
+// A fork while another thread installs must not leave the child's lock held.
+const int install_survives_fork = ::pthread_atfork([] { install_mutex.lock(); },
+                                                   [] { install_mutex.unlock(); },
+                                                   [] { install_mutex.unlock(); });
 
 thread_local bool forwarding = false;
 

@@ -12,8 +12,13 @@
 
 namespace ple {
 
-// Makes sure the SIGBUS handler is ours (another library may have replaced
-// it since; it is then chained to).  Call before guarded copies.
+// Makes sure the SIGBUS handler is ours (another library, or Python's
+// signal.signal, may have replaced it since; it is then chained to).  Call
+// before guarded copies, and again now and then during them: a handler
+// installed between this call and a fault would meet that fault instead of
+// ours (SIG_DFL kills the process; a handler that returns, as Python's do,
+// makes the copy fault again forever).  Costs one sigaction call when the
+// handler is ours.
 void ensure_fault_handler();
 
 // memcpy that returns false, instead of dying, when the source faults.  The

@@ -9,8 +9,14 @@
 //
 // A host function must never throw into the driver: failures are written to
 // the job's status word (which the decode kernel reads) and kept, by table
-// and stream, for the next operator call to raise.
+// and stream, for the next operator call to raise.  Nor does it call Python:
+// the gather it runs has no poll (interrupt.h), so a signal neither reaches
+// nor stops it; it finishes, and Python handles the signal when it runs next.
 #include <dlfcn.h>
+#include <pthread.h>
+#include <unistd.h>
+
+#include <atomic>
 
 #include <map>
 #include <memory>
@@ -43,11 +49,15 @@ struct Driver {
   CUresult (*primary_ctx_retain)(CUcontext*, int) = nullptr;
 };
 
+// The process that first used the driver: its forked children cannot.
+std::atomic<pid_t> driver_pid{0};
+
 const Driver& driver() {
   static const Driver loaded = [] {
     Driver d;
     void* lib = ::dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
     if (lib == nullptr) return d;
+    driver_pid.store(::getpid());
     d.launch_host_func = reinterpret_cast<decltype(d.launch_host_func)>(::dlsym(lib, "cuLaunchHostFunc"));
     d.mem_host_register = reinterpret_cast<decltype(d.mem_host_register)>(::dlsym(lib, "cuMemHostRegister_v2"));
     d.mem_host_unregister = reinterpret_cast<decltype(d.mem_host_unregister)>(::dlsym(lib, "cuMemHostUnregister"));
@@ -122,6 +132,22 @@ std::map<std::pair<int64_t, uintptr_t>, std::string> pending_errors;
 std::mutex captured_mutex;
 std::vector<std::unique_ptr<HostGatherJob>> captured_jobs;
 
+// A host function that records an error while another thread forks must not
+// leave the child's locks held.
+const int locks_survive_fork = ::pthread_atfork(
+    [] {
+      errors_mutex.lock();
+      captured_mutex.lock();
+    },
+    [] {
+      captured_mutex.unlock();
+      errors_mutex.unlock();
+    },
+    [] {
+      captured_mutex.unlock();
+      errors_mutex.unlock();
+    });
+
 void record_error(const HostGatherJob& job, const std::string& what) {
   std::lock_guard<std::mutex> lock(errors_mutex);
   pending_errors[{job.handle, job.stream}] = what;
@@ -169,6 +195,11 @@ void launch_host_gather(uintptr_t stream, int64_t handle, const int64_t* ids, in
   } else {
     job.release();  // run_job frees it
   }
+}
+
+bool forked_after_cuda() {
+  const pid_t pid = driver_pid.load();
+  return pid != 0 && pid != ::getpid();
 }
 
 std::string take_host_error(int64_t handle, uintptr_t stream) {

@@ -22,6 +22,11 @@ void launch_host_gather(uintptr_t stream, int64_t handle, const int64_t* ids, in
 void register_host_memory(void* data, size_t bytes, int device);
 void unregister_host_memory(void* data, int device);
 
+// Whether this process is a forked child of one that used the CUDA driver
+// here: its pinned memory and streams are the parent's, and the driver
+// cannot serve it (the child must leave them alone).
+bool forked_after_cuda();
+
 // The error of a failed host gather of this table on this stream, once; ""
 // when there was none.
 std::string take_host_error(int64_t handle, uintptr_t stream);

@@ -1,6 +1,7 @@
 #include "mapped_table.h"
 
 #include <fcntl.h>
+#include <pthread.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -8,6 +9,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
+#include <new>
 #include <unordered_map>
 
 namespace ple {
@@ -60,6 +62,29 @@ void unmap_file(MappedFile& file) {
 std::mutex registry_mutex;
 std::unordered_map<int64_t, std::shared_ptr<MappedTable>> registry;
 int64_t next_handle = 1;
+
+// fork() copies the locks of the other threads as they are, held or not, and
+// none of those threads: before it, this thread takes the registry's lock
+// and every registered table's (none of them is held for long, and none is
+// held while its holder waits for another), so that the child gets them all
+// free and the structures they guard whole.
+void lock_tables_for_fork() {
+  registry_mutex.lock();
+  for (auto& entry : registry) entry.second->lock_for_fork();
+}
+
+void unlock_tables_in_parent() {
+  for (auto& entry : registry) entry.second->unlock_after_fork(false);
+  registry_mutex.unlock();
+}
+
+void unlock_tables_in_child() {
+  for (auto& entry : registry) entry.second->unlock_after_fork(true);
+  registry_mutex.unlock();
+}
+
+const int tables_survive_fork =
+    ::pthread_atfork(lock_tables_for_fork, unlock_tables_in_parent, unlock_tables_in_child);
 
 }  // namespace
 
@@ -140,20 +165,61 @@ MappedTable::MappedTable(const std::vector<std::string>& paths,
 }
 
 MappedTable::~MappedTable() {
+  // The gather in progress ends first: it reads the mappings.
+  shut_down();
+  for (auto& file : files_) unmap_file(file);
+}
+
+void MappedTable::shut_down() {
+  std::unique_ptr<std::thread> worker;
   {
     std::lock_guard<std::mutex> lock(prefetch_.mutex);
     prefetch_.stopping = true;
+    prefetch_.cancel.store(true);
+    worker = std::move(prefetch_.worker);
   }
   prefetch_.changed.notify_all();
-  // The gather in progress ends first: it reads the mappings.
-  if (prefetch_.worker.joinable()) prefetch_.worker.join();
-  for (auto& file : files_) unmap_file(file);
+  if (worker != nullptr && worker->joinable()) worker->join();
+  // What was not gathered will not be: its gathers read their rows themselves.
+  std::lock_guard<std::mutex> lock(prefetch_.mutex);
+  for (const auto& request : prefetch_.pending) {
+    if (!request->done) {
+      request->error = std::make_exception_ptr(Interrupted());
+      request->done = true;
+    }
+  }
+  prefetch_.changed.notify_all();
+}
+
+void MappedTable::lock_for_fork() {
+  prefetch_.mutex.lock();
+  row_cache_.mutex().lock();
+  config_mutex_.lock();
+}
+
+void MappedTable::unlock_after_fork(bool in_child) {
+  config_mutex_.unlock();
+  row_cache_.mutex().unlock();
+  if (in_child) {
+    // The thread is the parent's: the child neither joins it nor waits for it.
+    (void)prefetch_.worker.release();
+    // The condition variable counts the parent's waiters, which the child
+    // would wait for: a new one replaces it (the old one is not destroyed,
+    // which would wait for them too).
+    new (&prefetch_.changed) std::condition_variable;
+    auto& pending = prefetch_.pending;
+    pending.erase(std::remove_if(pending.begin(), pending.end(),
+                                 [](const auto& request) { return !request->done || request->taken; }),
+                  pending.end());
+  }
+  prefetch_.mutex.unlock();
 }
 
 void MappedTable::gather(const void* ids, bool ids_are_int64, int64_t n, uint8_t* out,
                          RowRange resident) {
-  if (take_prefetched(ids, ids_are_int64, n, out, resident)) return;
-  gather_rows(*this, ids, ids_are_int64, n, out, resident, /*use_row_cache=*/true);
+  Interruption stop;  // the calling thread's poll, if it has one
+  if (take_prefetched(ids, ids_are_int64, n, out, resident, stop)) return;
+  gather_rows(*this, ids, ids_are_int64, n, out, resident, /*use_row_cache=*/true, stop);
 }
 
 void MappedTable::prefetch(std::vector<int64_t> ids, RowRange resident) {
@@ -164,7 +230,10 @@ void MappedTable::prefetch(std::vector<int64_t> ids, RowRange resident) {
   auto bytes_of = [this](const PrefetchRequest& r) { return r.ids.size() * row_bytes_; };
   {
     std::lock_guard<std::mutex> lock(prefetch_.mutex);
-    if (!prefetch_.worker.joinable()) prefetch_.worker = std::thread([this] { run_prefetches(); });
+    if (prefetch_.stopping) return;
+    if (prefetch_.worker == nullptr) {
+      prefetch_.worker = std::make_unique<std::thread>([this] { run_prefetches(); });
+    }
     auto& pending = prefetch_.pending;
     uint64_t held = bytes_of(*request);
     for (const auto& queued : pending) held += queued->taken ? 0 : bytes_of(*queued);
@@ -201,8 +270,9 @@ void MappedTable::run_prefetches() {
     std::exception_ptr error;
     try {
       next->rows.resize(next->ids.size() * row_bytes_);
+      Interruption stop(&prefetch_.cancel);  // by shut_down
       gather_rows(*this, next->ids.data(), true, next->ids.size(), next->rows.data(),
-                  next->resident, /*use_row_cache=*/true);
+                  next->resident, /*use_row_cache=*/true, stop);
     } catch (...) {
       error = std::current_exception();
     }
@@ -214,7 +284,7 @@ void MappedTable::run_prefetches() {
 }
 
 bool MappedTable::take_prefetched(const void* ids, bool ids_are_int64, int64_t n, uint8_t* out,
-                                  RowRange resident) {
+                                  RowRange resident, Interruption& stop) {
   // Prefetched ids are int64; a request of int32 ids is compared value by value.
   auto same_ids = [&](const std::vector<int64_t>& queued) {
     if (static_cast<int64_t>(queued.size()) != n) return false;
@@ -239,7 +309,17 @@ bool MappedTable::take_prefetched(const void* ids, bool ids_are_int64, int64_t n
     return false;
   }
   request->taken = true;  // nobody drops it now: the worker will get to it
-  prefetch_.changed.wait(lock, [&] { return request->done; });
+  while (!prefetch_.changed.wait_for(lock, kPollInterval, [&] { return request->done; })) {
+    lock.unlock();
+    try {
+      stop.check();
+    } catch (...) {
+      lock.lock();
+      request->taken = false;  // a later gather of these ids may take it
+      throw;
+    }
+    lock.lock();
+  }
   pending.erase(std::find(pending.begin(), pending.end(), request));
   lock.unlock();
   if (request->error) {
@@ -268,6 +348,10 @@ GatherConfig MappedTable::config() const {
 
 void MappedTable::set_config(const GatherConfig& config) {
   if (config.threads < 1) throw std::invalid_argument("threads must be at least 1");
+  if (config.threads > kMaxThreads) {
+    throw std::invalid_argument("threads must be at most " + std::to_string(kMaxThreads) + ", got " +
+                                std::to_string(config.threads));
+  }
   row_cache_.configure(config.row_cache_bytes, row_bytes_);
   std::lock_guard<std::mutex> lock(config_mutex_);
   config_ = config;
@@ -300,13 +384,15 @@ std::shared_ptr<MappedTable> find_table(int64_t handle) {
 }
 
 void unregister_table(int64_t handle) {
-  std::shared_ptr<MappedTable> table;  // destroyed outside the lock
-  std::lock_guard<std::mutex> lock(registry_mutex);
-  auto it = registry.find(handle);
-  if (it != registry.end()) {
+  std::shared_ptr<MappedTable> table;  // shut down and destroyed outside the lock
+  {
+    std::lock_guard<std::mutex> lock(registry_mutex);
+    auto it = registry.find(handle);
+    if (it == registry.end()) return;
     table = std::move(it->second);
     registry.erase(it);
   }
+  table->shut_down();
 }
 
 }  // namespace ple

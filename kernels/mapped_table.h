@@ -21,6 +21,7 @@
 #include <thread>
 #include <vector>
 
+#include "interrupt.h"
 #include "row_cache.h"
 
 namespace ple {
@@ -31,6 +32,9 @@ struct OsError : std::runtime_error {
 };
 
 enum class Policy { kWindow, kDistance, kAll, kNone };
+
+// The most threads a gather may run on (ple.config.MAX_THREADS says the same).
+constexpr int kMaxThreads = 256;
 
 Policy parse_policy(const std::string& name);
 
@@ -90,8 +94,9 @@ struct PrefetchQueue {
   std::mutex mutex;
   std::condition_variable changed;
   std::deque<std::shared_ptr<PrefetchRequest>> pending;
-  std::thread worker;  // started by the first prefetch
-  bool stopping = false;
+  std::unique_ptr<std::thread> worker;  // started by the first prefetch
+  bool stopping = false;                // no more prefetches: the table is closing
+  std::atomic<bool> cancel{false};      // stops the gather of the running one
 };
 
 class MappedTable {
@@ -138,14 +143,27 @@ class MappedTable {
 
   // When a pending prefetch is of exactly these ids: waits for it (and for
   // those queued before it), copies its rows to `out` and returns true.
-  // Otherwise returns false.
+  // Otherwise returns false.  Interrupted while it waits: throws Interrupted
+  // and leaves the prefetch for a later gather.
   bool take_prefetched(const void* ids, bool ids_are_int64, int64_t n, uint8_t* out,
-                       RowRange resident);
+                       RowRange resident, Interruption& stop);
 
   // Drops this table's pages from the page cache: unmaps them from this
   // process, then asks the kernel to forget the files' clean pages.  Pages
   // that another mapping holds stay.  Empties the row cache too.
   void drop_page_cache();
+
+  // Stops the prefetch thread (cancelling the gather it runs) and drops the
+  // prefetches not yet gathered; gathers waiting for one gather their rows
+  // themselves.  For close: later prefetches do nothing.
+  void shut_down();
+
+  // Around fork(): takes the table's locks so that the child gets them in a
+  // consistent state, then gives them back; in the child, also forgets the
+  // prefetch thread, which did not survive the fork, and the prefetches not
+  // done (the done ones can still be taken).
+  void lock_for_fork();
+  void unlock_after_fork(bool in_child);
 
  private:
   // The prefetch thread's loop: gathers the queued requests in order.
@@ -165,7 +183,9 @@ class MappedTable {
 
 // Tables are reached from Python and from operators by an integer handle.  A
 // gather holds a shared_ptr, so closing a table while it is being gathered
-// from only unmaps it when that gather is done.
+// from only unmaps it when that gather is done.  Unregistering shuts the
+// table's prefetches down (MappedTable::shut_down) at once.  A forked child
+// inherits every table registered at the fork, usable as in the parent.
 int64_t register_table(std::shared_ptr<MappedTable> table);
 std::shared_ptr<MappedTable> find_table(int64_t handle);  // throws if unknown
 void unregister_table(int64_t handle);
@@ -175,8 +195,10 @@ void unregister_table(int64_t handle);
 // in `resident` live in the device and host tiers, which the caller reads:
 // their rows in `out` are left as they were, and they are not counted.
 // `use_row_cache`: look the rows up in the row cache and keep the ones read
-// (false for rows that are about to become resident).
+// (false for rows that are about to become resident).  `stop` can end the
+// gather early with Interrupted (`out` is then partly written).
 void gather_rows(MappedTable& table, const void* ids, bool ids_are_int64,
-                 int64_t n, uint8_t* out, RowRange resident, bool use_row_cache);
+                 int64_t n, uint8_t* out, RowRange resident, bool use_row_cache,
+                 Interruption& stop);
 
 }  // namespace ple

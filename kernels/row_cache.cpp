@@ -2,88 +2,162 @@
 
 #include <sys/mman.h>
 
+#include <algorithm>
 #include <cstring>
 #include <new>
+#include <utility>
 
 namespace ple {
 
-RowCache::~RowCache() { release_arena(); }
+LazyArray::LazyArray(uint64_t bytes) {
+  if (bytes == 0) return;
+  void* mapped = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (mapped == MAP_FAILED) throw std::bad_alloc();
+  data_ = static_cast<uint8_t*>(mapped);
+  bytes_ = bytes;
+}
 
-void RowCache::release_arena() {
-  if (arena_ != nullptr) ::munmap(arena_, static_cast<uint64_t>(capacity_.load()) * row_bytes_);
-  arena_ = nullptr;
-  capacity_ = 0;
+LazyArray::~LazyArray() {
+  if (data_ != nullptr) ::munmap(data_, bytes_);
+}
+
+void LazyArray::discard() {
+  if (data_ != nullptr) ::madvise(data_, bytes_, MADV_DONTNEED);
+}
+
+void LazyArray::swap(LazyArray& other) noexcept {
+  std::swap(data_, other.data_);
+  std::swap(bytes_, other.bytes_);
+}
+
+namespace {
+
+// The index starts this small (1 KiB) and doubles while it would be more than half full.
+constexpr int kFirstIndexBits = 8;
+
+int64_t* ids_of(const LazyArray& slots) { return reinterpret_cast<int64_t*>(slots.data()); }
+
+}  // namespace
+
+uint64_t RowCache::home(int64_t id) const {
+  // Fibonacci hashing: the top bits of the product spread consecutive ids.
+  return (static_cast<uint64_t>(id) * 0x9E3779B97F4A7C15ull) >> (64 - index_bits_);
+}
+
+uint64_t RowCache::find(int64_t id) const {
+  const uint64_t mask = index_.size() - 1;
+  const int64_t* slot_ids = ids_of(slot_ids_);
+  uint64_t i = home(id);
+  while (index_[i] != 0 && slot_ids[index_[i] - 1] != id) i = (i + 1) & mask;
+  return i;
+}
+
+void RowCache::erase_at(uint64_t hole) {
+  const uint64_t mask = index_.size() - 1;
+  const int64_t* slot_ids = ids_of(slot_ids_);
+  for (uint64_t j = (hole + 1) & mask; index_[j] != 0; j = (j + 1) & mask) {
+    // The entry at j may fill the hole unless its home lies cyclically in (hole, j].
+    const uint64_t k = home(slot_ids[index_[j] - 1]);
+    const bool stays = hole <= j ? (hole < k && k <= j) : (hole < k || k <= j);
+    if (stays) continue;
+    index_[hole] = index_[j];
+    hole = j;
+  }
+  index_[hole] = 0;
+}
+
+bool RowCache::grow_index() {
+  const int bits = index_.empty() ? kFirstIndexBits : index_bits_ + 1;
+  std::vector<uint32_t> grown;
+  try {
+    grown.assign(size_t{1} << bits, 0);
+  } catch (const std::bad_alloc&) {
+    return false;
+  }
+  std::vector<uint32_t> old;
+  old.swap(index_);
+  index_.swap(grown);
+  index_bits_ = bits;
+  for (const uint32_t entry : old) {
+    if (entry != 0) index_[find(ids_of(slot_ids_)[entry - 1])] = entry;
+  }
+  return true;
 }
 
 void RowCache::forget_rows() {
-  slot_id_.assign(capacity_.load(), 0);
-  referenced_.assign(capacity_.load(), 0);
-  slot_of_.clear();
+  arena_.discard();
+  slot_ids_.discard();
+  referenced_.discard();
+  std::vector<uint32_t>().swap(index_);
+  index_bits_ = 0;
+  used_ = 0;
   hand_ = 0;
 }
 
 void RowCache::configure(uint64_t budget_bytes, int64_t row_bytes) {
   std::lock_guard<std::mutex> lock(mutex_);
-  const int64_t capacity = row_bytes > 0 ? static_cast<int64_t>(budget_bytes / row_bytes) : 0;
+  const int64_t capacity =
+      row_bytes > 0 ? std::min<int64_t>(kMaxRows, static_cast<int64_t>(budget_bytes / row_bytes)) : 0;
   if (capacity == capacity_.load() && row_bytes == row_bytes_) return;
   // Everything that can fail comes first: a budget that cannot be had leaves
-  // the cache as it was.
-  std::vector<int64_t> slot_id(capacity, 0);
-  std::vector<uint8_t> referenced(capacity, 0);
-  std::unordered_map<int64_t, int64_t> slot_of;
-  slot_of.reserve(capacity);
-  uint8_t* arena = nullptr;
+  // the cache as it was.  Nothing is touched: no page becomes resident here.
+  LazyArray arena, slot_ids, referenced;
   if (capacity > 0) {
-    void* mapped = ::mmap(nullptr, static_cast<uint64_t>(capacity) * row_bytes, PROT_READ | PROT_WRITE,
-                          MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-    if (mapped == MAP_FAILED) throw std::bad_alloc();
-    arena = static_cast<uint8_t*>(mapped);
+    arena = LazyArray(static_cast<uint64_t>(capacity) * row_bytes);
+    slot_ids = LazyArray(static_cast<uint64_t>(capacity) * sizeof(int64_t));
+    referenced = LazyArray(static_cast<uint64_t>(capacity));
   }
-  release_arena();
-  arena_ = arena;
-  row_bytes_ = row_bytes;
-  slot_id_.swap(slot_id);
+  arena_.swap(arena);
+  slot_ids_.swap(slot_ids);
   referenced_.swap(referenced);
-  slot_of_.swap(slot_of);
+  row_bytes_ = row_bytes;
+  std::vector<uint32_t>().swap(index_);
+  index_bits_ = 0;
+  used_ = 0;
   hand_ = 0;
   capacity_ = capacity;
-}
+}  // the old mappings are unmapped here
 
 void RowCache::clear() {
   std::lock_guard<std::mutex> lock(mutex_);
   if (capacity_.load() == 0) return;
-  // Give the pages back too: a cleared cache holds no memory.
-  ::madvise(arena_, static_cast<uint64_t>(capacity_.load()) * row_bytes_, MADV_DONTNEED);
-  forget_rows();
+  forget_rows();  // and gives the pages back: a cleared cache holds no memory
 }
 
 bool RowCache::lookup(int64_t id, uint8_t* out) {
-  auto it = slot_of_.find(id);
-  if (it == slot_of_.end()) return false;
-  std::memcpy(out, arena_ + it->second * row_bytes_, row_bytes_);
-  referenced_[it->second] = 1;
+  if (used_ == 0) return false;
+  const uint32_t entry = index_[find(id)];
+  if (entry == 0) return false;
+  const int64_t slot = entry - 1;
+  std::memcpy(out, arena_.data() + slot * row_bytes_, row_bytes_);
+  referenced_.data()[slot] = 1;
   return true;
 }
 
 void RowCache::insert(int64_t id, const uint8_t* row) {
   const int64_t capacity = capacity_.load();
-  if (capacity == 0 || slot_of_.count(id) != 0) return;
+  if (capacity == 0) return;
+  if (used_ > 0 && index_[find(id)] != 0) return;
+  int64_t* slot_ids = ids_of(slot_ids_);
+  uint8_t* referenced = referenced_.data();
   int64_t slot;
-  if (static_cast<int64_t>(slot_of_.size()) < capacity) {
-    slot = static_cast<int64_t>(slot_of_.size());  // slots fill in order before any eviction
+  if (used_ < capacity) {
+    // Slots fill in order before any eviction; the index stays at most half full.
+    if (static_cast<uint64_t>(used_ + 1) * 2 > index_.size() && !grow_index()) return;
+    slot = used_++;
   } else {
-    while (referenced_[hand_]) {
-      referenced_[hand_] = 0;
+    while (referenced[hand_]) {
+      referenced[hand_] = 0;
       hand_ = (hand_ + 1) % capacity;
     }
     slot = hand_;
     hand_ = (hand_ + 1) % capacity;
-    slot_of_.erase(slot_id_[slot]);
+    erase_at(find(slot_ids[slot]));
   }
-  std::memcpy(arena_ + slot * row_bytes_, row, row_bytes_);
-  slot_id_[slot] = id;
-  referenced_[slot] = 0;
-  slot_of_.emplace(id, slot);
+  std::memcpy(arena_.data() + slot * row_bytes_, row, row_bytes_);
+  slot_ids[slot] = id;
+  referenced[slot] = 0;
+  index_[find(id)] = static_cast<uint32_t>(slot + 1);
 }
 
 }  // namespace ple

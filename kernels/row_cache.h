@@ -4,20 +4,50 @@
 // row read since the hand last passed it gets a second chance).  Rows are
 // copied in as the gather read them, so the cache never changes a byte of a
 // result; the files must not change under an open table (README "Faults").
+//
+// Memory is resident only as rows fill it: the rows, each slot's id and its
+// CLOCK bit live in anonymous mappings of the budget's size that the kernel
+// backs with pages only once written (slots fill in order), and the index
+// from ids to slots is a hash table that grows with the rows it holds (4
+// bytes an entry, at most half full: 8 to 16 bytes a row).  A full cache of
+// rows of B bytes takes about B + 17 to 25 bytes a row.
 #pragma once
 
 #include <atomic>
 #include <cstdint>
 #include <mutex>
-#include <unordered_map>
 #include <vector>
 
 namespace ple {
 
+// Anonymous memory mapped at once and backed by pages only where written;
+// reads of pages never written see zeros.
+class LazyArray {
+ public:
+  LazyArray() = default;
+  explicit LazyArray(uint64_t bytes);  // throws std::bad_alloc when it cannot be mapped
+  ~LazyArray();
+  LazyArray(LazyArray&& other) noexcept { swap(other); }
+  LazyArray& operator=(LazyArray&& other) noexcept {
+    swap(other);
+    return *this;
+  }
+  uint8_t* data() const { return data_; }
+  // Gives the pages back: the memory reads as zeros again.
+  void discard();
+  void swap(LazyArray& other) noexcept;
+
+ private:
+  uint8_t* data_ = nullptr;
+  uint64_t bytes_ = 0;
+};
+
 class RowCache {
  public:
+  // The most rows a cache holds, whatever its budget (its index holds slots as 32-bit numbers).
+  static constexpr int64_t kMaxRows = (int64_t{1} << 32) - 2;
+
   RowCache() = default;
-  ~RowCache();
   RowCache(const RowCache&) = delete;
   RowCache& operator=(const RowCache&) = delete;
 
@@ -32,22 +62,28 @@ class RowCache {
   std::mutex& mutex() { return mutex_; }
   // Copies row `id` to `out` when it is cached.
   bool lookup(int64_t id, uint8_t* out);
-  // Keeps a copy of row `id` (no-op when it is already cached).
+  // Keeps a copy of row `id` (no-op when it is already cached, or when the
+  // index cannot grow: a cache short of memory only caches less).
   void insert(int64_t id, const uint8_t* row);
 
  private:
-  void forget_rows();  // empties the slots; the arena stays mapped
-  void release_arena();
+  // Where id is, or would go, in the index: a position whose entry is its
+  // slot + 1, or 0.
+  uint64_t find(int64_t id) const;
+  uint64_t home(int64_t id) const;
+  void erase_at(uint64_t position);  // backward-shift deletion: no tombstones
+  bool grow_index();
+  void forget_rows();  // empties the slots; the mappings stay
 
   std::mutex mutex_;
   int64_t row_bytes_ = 0;
   std::atomic<int64_t> capacity_{0};  // rows; read by enabled() without the lock
-  // Anonymous memory of capacity_ rows: a page only becomes resident once a
-  // row is written to it, so an unused budget costs nothing.
-  uint8_t* arena_ = nullptr;
-  std::vector<int64_t> slot_id_;  // the row in each used slot
-  std::vector<uint8_t> referenced_;
-  std::unordered_map<int64_t, int64_t> slot_of_;  // its size is the slots in use
+  int64_t used_ = 0;                  // slots that hold a row: 0 .. used_ - 1
+  LazyArray arena_;                   // capacity_ rows
+  LazyArray slot_ids_;                // int64 per slot: the row it holds
+  LazyArray referenced_;              // uint8 per slot: CLOCK's bit
+  std::vector<uint32_t> index_;       // open addressing, linear probing; size a power of two
+  int index_bits_ = 0;
   int64_t hand_ = 0;
 };
 

@@ -1,5 +1,6 @@
 #include "worker_pool.h"
 
+#include <pthread.h>
 #include <sched.h>
 
 #include <algorithm>
@@ -22,6 +23,14 @@ namespace {
 // sleeps, and so does the caller for the end of a job.  See README
 // "Performance (GPU)" for the measurement.
 constexpr auto kSpin = std::chrono::microseconds(50);
+
+// How often a caller waiting for other threads' tasks calls its idle function.
+constexpr auto kIdleWait = std::chrono::milliseconds(10);
+
+// Whether this thread is running a job of the pool (as its caller, or as a
+// worker): a job it starts then runs on it alone, since the pool takes one
+// job at a time.
+thread_local bool inside_job = false;
 
 int available_cpus() {
   cpu_set_t set;
@@ -61,8 +70,12 @@ struct Job {
 class WorkerPool {
  public:
   // At most Job::kMaxTasks tasks: run_parallel splits larger counts.
-  void run(int count, const std::function<void(int)>& task) {
+  void run(int count, const std::function<void(int)>& task, const std::function<void()>& idle) {
     std::lock_guard<std::mutex> one_job(job_mutex_);
+    inside_job = true;
+    struct Leave {
+      ~Leave() { inside_job = false; }
+    } leave;
     grow(count - 1);
     // Every worker wakes for every job, and those without a task spin too:
     // more spinning threads than CPUs would slow the ones with work.
@@ -81,7 +94,15 @@ class WorkerPool {
     auto done = [&] { return unfinished_.load(std::memory_order_acquire) == 0; };
     if (!(spin_.load(std::memory_order_relaxed) && spin_until(done))) {
       std::unique_lock<std::mutex> lock(mutex_);
-      done_.wait(lock, done);
+      while (!done()) {
+        if (!idle) {
+          done_.wait(lock, done);
+        } else if (!done_.wait_for(lock, kIdleWait, done)) {
+          lock.unlock();
+          idle();
+          lock.lock();
+        }
+      }
     }
     if (error_) std::rethrow_exception(error_);
   }
@@ -127,6 +148,7 @@ class WorkerPool {
   }
 
   void work() {
+    inside_job = true;  // a worker only ever runs tasks
     uint32_t seen = 0;
     auto current = [&] { return Job::of(job_.load(std::memory_order_acquire)).generation; };
     auto new_job = [&] { return current() != seen; };
@@ -152,17 +174,43 @@ class WorkerPool {
   std::atomic<bool> spin_{false};
 };
 
+// The pool, made by the first job.  Never destroyed: detached workers may
+// still wait on it at exit.  A forked child starts a new one (the old one is
+// left as it is: its threads are gone and its locks may be held by them).
+std::atomic<WorkerPool*> current_pool{nullptr};
+
+const int forget_pool_in_children =
+    ::pthread_atfork(nullptr, nullptr, [] { current_pool.store(nullptr); });
+
+WorkerPool& pool() {
+  WorkerPool* pool = current_pool.load(std::memory_order_acquire);
+  if (pool != nullptr) return *pool;
+  auto* made = new WorkerPool;
+  if (current_pool.compare_exchange_strong(pool, made, std::memory_order_acq_rel)) return *made;
+  delete made;  // another thread made one first
+  return *pool;
+}
+
+// Runs the tasks on this thread, with the pool's rule for exceptions.
+void run_here(int count, const std::function<void(int)>& task) {
+  std::exception_ptr first;
+  for (int i = 0; i < count; ++i) {
+    try {
+      task(i);
+    } catch (...) {
+      if (!first) first = std::current_exception();
+    }
+  }
+  if (first) std::rethrow_exception(first);
+}
+
 }  // namespace
 
-void run_parallel(int count, const std::function<void(int)>& task) {
-  if (count <= 1) {
-    if (count == 1) task(0);
-    return;
-  }
-  // Never destroyed: detached workers may still wait on it at exit.
-  static WorkerPool* pool = new WorkerPool;
+void run_parallel(int count, const std::function<void(int)>& task,
+                  const std::function<void()>& idle) {
+  if (count <= 1 || inside_job) return run_here(count, task);
   for (int first = 0; first < count; first += Job::kMaxTasks) {
-    pool->run(std::min(Job::kMaxTasks, count - first), [&](int i) { task(first + i); });
+    pool().run(std::min(Job::kMaxTasks, count - first), [&](int i) { task(first + i); }, idle);
   }
 }
 

@@ -11,7 +11,14 @@ namespace ple {
 // Runs task(0) .. task(count - 1) on up to `count` threads (the caller's
 // among them) and returns when all are done.  The first exception a task
 // throws is rethrown here after every task has finished.  Calls from several
-// threads at once take turns.
-void run_parallel(int count, const std::function<void(int)>& task);
+// threads at once take turns; a call from inside a task, or from `idle`,
+// runs its tasks on the calling thread alone.  `idle`, when given, is called
+// on the calling thread about every 10 ms while it waits for the tasks of
+// other threads (it must not throw).
+//
+// The threads do not survive a fork: in the child a new pool starts with the
+// first call (the old one's locks may have been copied locked).
+void run_parallel(int count, const std::function<void(int)>& task,
+                  const std::function<void()>& idle = {});
 
 }  // namespace ple
