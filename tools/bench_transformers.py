@@ -1,0 +1,372 @@
+"""A transformers Qwen4Exp model whose n-gram tables are several GiB: load
+time, peak memory, time to first token and per-token time, with the tables
+served by ple, held in memory, and offloaded to disk by transformers.
+
+    python tools/bench_transformers.py [--dir data/bench_transformers] [--table-gib 3]
+                                       [--arms ple,in-memory,disk-offload] [--json PATH]
+
+The checkpoint is a tiny Qwen4Exp text model (random weights) whose PLE
+layers have n-gram tables of ``--table-gib`` GiB in all, written as shard
+families ``....ngram_embedding.shard_{i}.weight`` one shard at a time; a
+directory that already holds one of that size is reused.  Each arm runs in
+a subprocess of its own, after the checkpoint's pages have been dropped
+from the page cache (the first token is cold, as after a reboot):
+
+- ``ple``: ``ple.integrations.transformers.from_pretrained``; the tables stay
+  in the checkpoint's files and ple gathers the rows each step needs;
+- ``in-memory``: ``Qwen4ExpForCausalLM.from_pretrained``, which concatenates
+  each table in memory (skipped when the machine has too little memory);
+- ``disk-offload``: ``from_pretrained`` with a ``device_map`` sending the
+  tables to ``"disk"`` (needs accelerate): transformers concatenates each
+  table, writes it to an offload folder, and accelerate reads it back whole
+  at each forward.
+
+``load s`` is the ``from_pretrained`` call, ``peak RSS`` the process's
+VmHWM less its resident memory before loading, ``first token s`` a greedy
+``generate`` of one token after ``--prompt`` tokens, ``ms/token`` the mean of
+``--new-tokens`` greedy tokens after it (a second ``generate``, prefill
+excluded).  Every arm must generate the same tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterable
+from itertools import chain
+from pathlib import Path
+
+import torch
+
+ARMS = ("ple", "in-memory", "disk-offload")
+DTYPES = {"bf16": torch.bfloat16, "f16": torch.float16, "f32": torch.float32}
+MODEL_CONFIG = dict(
+    vocab_size=4096, hidden_size=128, num_hidden_layers=3,
+    layer_types=["linear_attention", "linear_attention", "indexed_attention"],
+    indexer_n_heads=2, indexer_kv_heads=1, indexer_head_dim=32, indexer_budget=8,
+    indexer_compress_ratio=4, num_attention_heads=2, num_key_value_heads=1, head_dim=32,
+    linear_key_head_dim=32, linear_value_head_dim=32, linear_num_key_heads=2,
+    linear_num_value_heads=2, moe_intermediate_size=64, shared_expert_intermediate_size=64,
+    num_experts=4, num_experts_per_tok=2, hc_count=2, hc_lowrank=16, ple_layer_ids=[1, 2],
+    ple_embed_dim=256, ngram_size=3, heads_per_ngram=2, eos_token_id=1, pad_token_id=0,
+    bos_token_id=2)
+INFO = "ple_bench.json"
+
+
+def qwen4exp_config(table_bytes: float | None, *, ple_layers: int, shards: int,
+                    dtype: torch.dtype, **overrides):
+    """A tiny Qwen4ExpTextConfig whose ``ple_layers`` n-gram tables hold
+    about ``table_bytes`` in all (``ngram_vocab_size_base`` sized to it;
+    None: the smallest, a base of 1000)."""
+    from transformers import Qwen4ExpTextConfig
+
+    fields = {**MODEL_CONFIG, "ple_layer_ids": list(range(1, ple_layers + 1)), **overrides}
+    heads = (fields["ngram_size"] - 1) * fields["heads_per_ngram"]
+    row_bytes = fields["ple_embed_dim"] // heads * dtype.itemsize
+    base = 1000 if table_bytes is None else max(1000, int(table_bytes / ple_layers / heads
+                                                          / row_bytes))
+    config = Qwen4ExpTextConfig(**fields, ngram_vocab_size_base=base, split_ngram_parts=shards)
+    config.dtype = dtype
+    return config
+
+
+def write_checkpoint(directory: Path, table_bytes: float, *, ple_layers: int = 2, shards: int = 8,
+                     dtype: torch.dtype = torch.bfloat16, seed: int = 0, sync: bool = False,
+                     **overrides) -> dict:
+    """Writes a Qwen4Exp checkpoint whose n-gram tables hold about
+    ``table_bytes``, holding one shard in memory at a time: the small weights
+    are those ``save_pretrained`` writes for a model of the same shape but
+    tiny tables, the tables are random shards written one file each, and an
+    index lists them all.  ``sync``: flush each file to the disk (so that
+    its pages can be dropped from the page cache).  Returns what it wrote
+    (also in ple_bench.json)."""
+    from safetensors.torch import load_file, save_file
+    from transformers import Qwen4ExpForCausalLM
+
+    config = qwen4exp_config(table_bytes, ple_layers=ple_layers, shards=shards, dtype=dtype,
+                             **overrides)
+    small_config = qwen4exp_config(None, ple_layers=ple_layers, shards=shards, dtype=dtype,
+                                   **overrides)
+    directory.mkdir(parents=True, exist_ok=True)
+    for old in directory.glob("*.safetensors"):
+        old.unlink()
+    torch.manual_seed(seed)
+    with tempfile.TemporaryDirectory(dir=directory) as scratch:
+        Qwen4ExpForCausalLM(small_config).to(dtype).save_pretrained(scratch)
+        weights = {}
+        for file in Path(scratch).glob("*.safetensors"):
+            weights.update(load_file(file))
+    # The big model on the meta device: its n-gram modules' sizes and buffers.
+    with torch.device("meta"):
+        big = Qwen4ExpForCausalLM(config)
+    weight_map, total, tables = {}, 0, {}
+    generator = torch.Generator().manual_seed(seed + 1)
+    for name, module in big.named_modules():
+        if type(module).__name__ != "Qwen4ExpTextNGramEmbedding":
+            continue
+        for key in [k for k in weights if k.startswith(f"{name}.")]:
+            del weights[key]
+        weights[f"{name}.layer_multipliers"] = _layer_multipliers(module)
+        weights[f"{name}.ngram_heads_vocab_sizes"] = torch.tensor(module.head_vocab_sizes)
+        weights[f"{name}.ngram_heads_offsets"] = torch.tensor(module.head_offsets)
+        rows, cols = module.ngram_embedding.num_embeddings, module.ngram_embedding.embedding_dim
+        per_shard = -(-rows // shards)
+        prefix = f"{name}.ngram_embedding"
+        for i in range(shards):
+            n = max(0, min(per_shard, rows - i * per_shard))
+            shard = torch.empty(n, cols).normal_(0, 0.02, generator=generator).to(dtype)
+            file = f"{prefix.replace('.', '-')}-{i:05d}.safetensors"
+            save_file({f"{prefix}.shard_{i}.weight": shard}, str(directory / file))
+            if sync:
+                _fsync(directory / file)
+            weight_map[f"{prefix}.shard_{i}.weight"] = file
+            total += shard.nbytes
+            del shard
+        tables[prefix] = [rows, cols]
+    save_file(weights, str(directory / "model-small.safetensors"))
+    weight_map.update(dict.fromkeys(weights, "model-small.safetensors"))
+    total += sum(t.nbytes for t in weights.values())
+    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+    (directory / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    config.save_pretrained(directory)
+    info = {"table_bytes": sum(r * c * dtype.itemsize for r, c in tables.values()),
+            "tables": tables, "dtype": str(dtype).removeprefix("torch."),
+            "requested_bytes": table_bytes, "ple_layers": ple_layers, "shards": shards,
+            "seed": seed}
+    if sync:
+        _fsync(directory / "model-small.safetensors")
+    (directory / INFO).write_text(json.dumps(info, indent=2))
+    return info
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _layer_multipliers(module) -> torch.Tensor:
+    from transformers.models.qwen4_exp.modeling_qwen4_exp import _build_layer_multipliers
+
+    return _build_layer_multipliers(module.unigram_vocab_size, module.ngram_size,
+                                    module.ple_layer_index, module.seed)
+
+
+def ensure_checkpoint(directory: Path, table_bytes: float, dtype: torch.dtype,
+                      ple_layers: int = 2) -> dict:
+    """The checkpoint in ``directory`` if it was written for this size, dtype
+    and number of PLE layers, else a new one."""
+    try:
+        info = json.loads((directory / INFO).read_text())
+        if ((info["requested_bytes"], info["dtype"], info["ple_layers"])
+                == (table_bytes, str(dtype).removeprefix("torch."), ple_layers)
+                and (directory / "config.json").is_file()):
+            return info
+    except (OSError, ValueError, KeyError):
+        pass
+    return write_checkpoint(directory, table_bytes, dtype=dtype, ple_layers=ple_layers, sync=True)
+
+
+def drop_page_cache(directory: Path) -> None:
+    """Evicts the checkpoint's pages from the page cache (clean pages only)."""
+    for file in directory.rglob("*.safetensors"):
+        fd = os.open(file, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def proc_status(key: str) -> int:
+    """A field of /proc/self/status in bytes (VmRSS, VmHWM)."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+    raise KeyError(key)
+
+
+def mem_available() -> int:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def run_arm(spec: dict) -> dict:
+    """One arm, in this process: load, then generate."""
+    import transformers
+    from transformers import Qwen4ExpForCausalLM
+
+    transformers.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    directory, dtype = Path(spec["dir"]), DTYPES[spec["dtype"]]
+    before = proc_status("VmRSS")
+    start = time.perf_counter()
+    offload_dir = None
+    if spec["arm"] == "ple":
+        from ple.integrations.transformers import from_pretrained
+
+        model = from_pretrained(Qwen4ExpForCausalLM, directory, dtype=dtype)
+    elif spec["arm"] == "in-memory":
+        model = Qwen4ExpForCausalLM.from_pretrained(directory, dtype=dtype)
+    else:
+        offload_dir = tempfile.mkdtemp(prefix="offload-", dir=spec.get("offload_dir") or directory)
+        tables = json.loads((directory / INFO).read_text())["tables"]
+        device_map = disk_device_map(Qwen4ExpForCausalLM, directory, tables)
+        model = Qwen4ExpForCausalLM.from_pretrained(directory, dtype=dtype, device_map=device_map,
+                                                    offload_folder=offload_dir)
+    load_s = time.perf_counter() - start
+    load_peak = proc_status("VmHWM") - before
+    generator = torch.Generator().manual_seed(spec["seed"])
+    prompt = torch.randint(3, model.config.vocab_size, (1, spec["prompt"]), generator=generator)
+    with torch.inference_mode():
+        start = time.perf_counter()
+        first = model.generate(prompt, max_new_tokens=1, do_sample=False)
+        first_s = time.perf_counter() - start
+        start = time.perf_counter()
+        prefill = model.generate(prompt, max_new_tokens=1, do_sample=False)
+        prefill_s = time.perf_counter() - start
+        start = time.perf_counter()
+        tokens = model.generate(prompt, max_new_tokens=1 + spec["new_tokens"], do_sample=False,
+                                min_new_tokens=1 + spec["new_tokens"])
+        total_s = time.perf_counter() - start
+    assert torch.equal(first, prefill)
+    record = {"arm": spec["arm"], "load_s": load_s, "load_peak_bytes": load_peak,
+              "peak_bytes": proc_status("VmHWM") - before, "first_token_s": first_s,
+              "ms_per_token": (total_s - prefill_s) / spec["new_tokens"] * 1e3,
+              "tokens": tokens[0, spec["prompt"]:].tolist()}
+    if spec["arm"] == "ple":
+        from ple.integrations.transformers import tables
+
+        stats = [t.stats() for t in tables(model).values()]
+        record["gathered_rows"] = sum(s["rows"] for s in stats)
+        record["tables"] = len(stats)
+    if offload_dir is not None:
+        record["offload_folder_bytes"] = sum(f.stat().st_size for f in Path(offload_dir).rglob("*")
+                                             if f.is_file())
+        shutil.rmtree(offload_dir, ignore_errors=True)
+    return record
+
+
+def disk_device_map(model_class, directory: Path, disk: Iterable[str]) -> dict[str, str]:
+    """A device_map with the modules ``disk`` on "disk" and everything else
+    on "cpu", naming each module or tensor next to them: accelerate places a
+    non-offloaded entry's whole subtree, so ``{"": "cpu", name: "disk"}``
+    would fail on the offloaded weight."""
+    from transformers import AutoConfig
+
+    with torch.device("meta"):
+        model = model_class(AutoConfig.from_pretrained(directory))
+    disk = set(disk)
+    device_map = {}
+
+    def walk(prefix: str, module: torch.nn.Module) -> None:
+        for name, child in module.named_children():
+            full = prefix + name
+            if full in disk:
+                device_map[full] = "disk"
+            elif any(d.startswith(full + ".") for d in disk):
+                walk(full + ".", child)
+            else:
+                device_map[full] = "cpu"
+        for name, _ in chain(module.named_parameters(recurse=False),
+                             module.named_buffers(recurse=False)):
+            device_map[prefix + name] = "cpu"
+
+    walk("", model)
+    return device_map
+
+
+def spawn_arm(spec: dict, timeout: float) -> dict:
+    try:
+        child = subprocess.run([sys.executable, __file__, "--child", json.dumps(spec)],
+                               capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"arm": spec["arm"], "skipped": f"ran past {timeout:.0f} s"}
+    lines = [line for line in child.stdout.splitlines() if line.startswith("{")]
+    if child.returncode != 0 or not lines:
+        tail = (child.stderr or child.stdout).strip().splitlines()[-3:]
+        return {"arm": spec["arm"], "skipped": f"failed (exit {child.returncode}): "
+                + " | ".join(tail)[-400:]}
+    return json.loads(lines[-1])
+
+
+def gib(value: float) -> str:
+    return f"{value / 2**30:.2f}"
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dir", type=Path, default=Path("data/bench_transformers"),
+                        help="the checkpoint, written when it holds none of this size")
+    parser.add_argument("--table-gib", type=float, default=3.0,
+                        help="GiB of n-gram tables in all (default 3)")
+    parser.add_argument("--ple-layers", type=int, default=2, help="PLE layers (default 2)")
+    parser.add_argument("--dtype", choices=DTYPES, default="bf16")
+    parser.add_argument("--arms", default=",".join(ARMS), help=f"comma separated, of {ARMS}")
+    parser.add_argument("--in-memory", dest="in_memory", action="store_true",
+                        help="run the in-memory arm even when MemAvailable looks too small")
+    parser.add_argument("--prompt", type=int, default=32, help="prompt tokens (default 32)")
+    parser.add_argument("--new-tokens", type=int, default=8, help="timed tokens (default 8)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--timeout", type=float, default=1200, help="seconds per arm")
+    parser.add_argument("--offload-dir", type=Path, help="where disk-offload writes (default --dir)")
+    parser.add_argument("--json", type=Path, help="write the results as JSON")
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.child:
+        print(json.dumps(run_arm(json.loads(args.child))))
+        return 0
+
+    dtype = DTYPES[args.dtype]
+    start = time.perf_counter()
+    info = ensure_checkpoint(args.dir, args.table_gib * 2**30, dtype, ple_layers=args.ple_layers)
+    print(f"checkpoint {args.dir}: {len(info['tables'])} n-gram tables, {gib(info['table_bytes'])} "
+          f"GiB of {info['dtype']} rows (ready in {time.perf_counter() - start:.1f} s)")
+    print(f"machine: {os.cpu_count()} CPUs, {gib(mem_available())} GiB available, torch "
+          f"{torch.__version__}")
+    results = []
+    for arm in args.arms.split(","):
+        if arm not in ARMS:
+            parser.error(f"unknown arm {arm!r}; arms: {', '.join(ARMS)}")
+        if arm == "in-memory" and not args.in_memory and mem_available() < 2.5 * info["table_bytes"]:
+            results.append({"arm": arm, "skipped": "too little memory (--in-memory runs it)"})
+            continue
+        drop_page_cache(args.dir)
+        spec = {"arm": arm, "dir": str(args.dir), "dtype": args.dtype, "prompt": args.prompt,
+                "new_tokens": args.new_tokens, "seed": args.seed,
+                "offload_dir": str(args.offload_dir) if args.offload_dir else None}
+        results.append(spawn_arm(spec, args.timeout))
+        print(f"  {arm}: done", flush=True)
+
+    print(f"\n{'arm':<14}{'load s':>9}{'peak RSS GiB':>14}{'first token s':>15}{'ms/token':>10}")
+    reference = next((r["tokens"] for r in results if "tokens" in r), None)
+    for r in results:
+        if "skipped" in r:
+            print(f"{r['arm']:<14}  skipped: {r['skipped']}")
+            continue
+        same = "" if r["tokens"] == reference else "  (tokens differ!)"
+        print(f"{r['arm']:<14}{r['load_s']:>9.2f}{gib(r['peak_bytes']):>14}"
+              f"{r['first_token_s']:>15.3f}{r['ms_per_token']:>10.1f}{same}")
+    ok = all(r.get("tokens", reference) == reference for r in results)
+    if args.json:
+        args.json.write_text(json.dumps({"checkpoint": info, "args": vars(args) | {
+            "dir": str(args.dir), "json": str(args.json), "offload_dir": str(args.offload_dir)},
+            "cpus": os.cpu_count(), "torch": torch.__version__, "results": results},
+            indent=2, default=str))
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
