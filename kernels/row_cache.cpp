@@ -96,8 +96,12 @@ void RowCache::forget_rows() {
 
 void RowCache::configure(uint64_t budget_bytes, int64_t row_bytes) {
   std::lock_guard<std::mutex> lock(mutex_);
-  const int64_t capacity =
-      row_bytes > 0 ? std::min<int64_t>(kMaxRows, static_cast<int64_t>(budget_bytes / row_bytes)) : 0;
+  const uint64_t rows = row_bytes > 0 ? budget_bytes / static_cast<uint64_t>(row_bytes) : 0;
+  // More rows than the index can number: a budget that cannot be had, like
+  // one that cannot be mapped (mapping it would succeed where memory is
+  // overcommitted, yet hold fewer rows than asked).
+  if (rows > static_cast<uint64_t>(kMaxRows)) throw std::bad_alloc();
+  const int64_t capacity = static_cast<int64_t>(rows);
   if (capacity == capacity_.load() && row_bytes == row_bytes_) return;
   // Everything that can fail comes first: a budget that cannot be had leaves
   // the cache as it was.  Nothing is touched: no page becomes resident here.

@@ -44,7 +44,8 @@ class LazyArray {
 
 class RowCache {
  public:
-  // The most rows a cache holds, whatever its budget (its index holds slots as 32-bit numbers).
+  // The most rows a cache holds (its index numbers slots in 32 bits): a
+  // budget of more rows (256 GiB of 64-byte rows) cannot be had.
   static constexpr int64_t kMaxRows = (int64_t{1} << 32) - 2;
 
   RowCache() = default;
@@ -52,7 +53,8 @@ class RowCache {
   RowCache& operator=(const RowCache&) = delete;
 
   // Sets the budget and drops every cached row.  0 turns the cache off.  A
-  // budget that cannot be had throws std::bad_alloc and changes nothing.
+  // budget that cannot be had (mapped, or numbered: kMaxRows) throws
+  // std::bad_alloc and changes nothing.
   void configure(uint64_t budget_bytes, int64_t row_bytes);
   void clear();
   bool enabled() const { return capacity_.load() > 0; }

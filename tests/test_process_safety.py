@@ -445,6 +445,20 @@ def test_an_empty_row_cache_costs_no_memory(small_table):
     assert empty < 4 and filled < 8 and again < 8, out
 
 
+def test_a_row_cache_of_more_rows_than_it_can_number_cannot_be_had(small_table):
+    """2**32 rows of 64 B (256 GiB): a MemoryError wherever memory is
+    overcommitted too (the mapping would succeed there)."""
+    with ple.Table.from_safetensors(small_table) as table:
+        table.config = ple.GatherConfig(row_cache_mib=1)
+        ids = torch.arange(0, 20_000, 5)
+        table.gather_bytes(ids)
+        with pytest.raises(MemoryError):
+            table.config = ple.GatherConfig(row_cache_mib=(64 << 32) >> 20)
+        table.reset_stats()
+        table.gather_bytes(ids)
+        assert table.stats()["row_cache_hits"] == ids.numel()
+
+
 # The threads cap ----------------------------------------------------------------------
 
 def test_the_native_side_caps_threads(small_table):
