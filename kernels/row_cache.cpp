@@ -36,6 +36,7 @@ namespace {
 constexpr int kFirstIndexBits = 8;
 
 int64_t* ids_of(const LazyArray& slots) { return reinterpret_cast<int64_t*>(slots.data()); }
+uint32_t* entries_of(const LazyArray& index) { return reinterpret_cast<uint32_t*>(index.data()); }
 
 }  // namespace
 
@@ -45,41 +46,45 @@ uint64_t RowCache::home(int64_t id) const {
 }
 
 uint64_t RowCache::find(int64_t id) const {
-  const uint64_t mask = index_.size() - 1;
+  const uint64_t mask = index_size_ - 1;
+  const uint32_t* index = entries_of(index_);
   const int64_t* slot_ids = ids_of(slot_ids_);
   uint64_t i = home(id);
-  while (index_[i] != 0 && slot_ids[index_[i] - 1] != id) i = (i + 1) & mask;
+  while (index[i] != 0 && slot_ids[index[i] - 1] != id) i = (i + 1) & mask;
   return i;
 }
 
 void RowCache::erase_at(uint64_t hole) {
-  const uint64_t mask = index_.size() - 1;
+  const uint64_t mask = index_size_ - 1;
+  uint32_t* index = entries_of(index_);
   const int64_t* slot_ids = ids_of(slot_ids_);
-  for (uint64_t j = (hole + 1) & mask; index_[j] != 0; j = (j + 1) & mask) {
+  for (uint64_t j = (hole + 1) & mask; index[j] != 0; j = (j + 1) & mask) {
     // The entry at j may fill the hole unless its home lies cyclically in (hole, j].
-    const uint64_t k = home(slot_ids[index_[j] - 1]);
+    const uint64_t k = home(slot_ids[index[j] - 1]);
     const bool stays = hole <= j ? (hole < k && k <= j) : (hole < k || k <= j);
     if (stays) continue;
-    index_[hole] = index_[j];
+    index[hole] = index[j];
     hole = j;
   }
-  index_[hole] = 0;
+  index[hole] = 0;
 }
 
 bool RowCache::grow_index() {
-  const int bits = index_.empty() ? kFirstIndexBits : index_bits_ + 1;
-  std::vector<uint32_t> grown;
+  const int bits = index_size_ == 0 ? kFirstIndexBits : index_bits_ + 1;
+  LazyArray grown;
   try {
-    grown.assign(size_t{1} << bits, 0);
+    grown = LazyArray((uint64_t{1} << bits) * sizeof(uint32_t));
   } catch (const std::bad_alloc&) {
     return false;
   }
-  std::vector<uint32_t> old;
-  old.swap(index_);
-  index_.swap(grown);
+  grown.swap(index_);  // grown now holds the old index, unmapped on return
+  const uint32_t* old = entries_of(grown);
+  const uint64_t old_size = index_size_;
+  index_size_ = uint64_t{1} << bits;
   index_bits_ = bits;
-  for (const uint32_t entry : old) {
-    if (entry != 0) index_[find(ids_of(slot_ids_)[entry - 1])] = entry;
+  uint32_t* index = entries_of(index_);
+  for (uint64_t i = 0; i < old_size; ++i) {
+    if (old[i] != 0) index[find(ids_of(slot_ids_)[old[i] - 1])] = old[i];
   }
   return true;
 }
@@ -88,7 +93,8 @@ void RowCache::forget_rows() {
   arena_.discard();
   slot_ids_.discard();
   referenced_.discard();
-  std::vector<uint32_t>().swap(index_);
+  index_ = LazyArray();
+  index_size_ = 0;
   index_bits_ = 0;
   used_ = 0;
   hand_ = 0;
@@ -115,7 +121,8 @@ void RowCache::configure(uint64_t budget_bytes, int64_t row_bytes) {
   slot_ids_.swap(slot_ids);
   referenced_.swap(referenced);
   row_bytes_ = row_bytes;
-  std::vector<uint32_t>().swap(index_);
+  index_ = LazyArray();
+  index_size_ = 0;
   index_bits_ = 0;
   used_ = 0;
   hand_ = 0;
@@ -130,7 +137,7 @@ void RowCache::clear() {
 
 bool RowCache::lookup(int64_t id, uint8_t* out) {
   if (used_ == 0) return false;
-  const uint32_t entry = index_[find(id)];
+  const uint32_t entry = entries_of(index_)[find(id)];
   if (entry == 0) return false;
   const int64_t slot = entry - 1;
   std::memcpy(out, arena_.data() + slot * row_bytes_, row_bytes_);
@@ -141,13 +148,13 @@ bool RowCache::lookup(int64_t id, uint8_t* out) {
 void RowCache::insert(int64_t id, const uint8_t* row) {
   const int64_t capacity = capacity_.load();
   if (capacity == 0) return;
-  if (used_ > 0 && index_[find(id)] != 0) return;
+  if (used_ > 0 && entries_of(index_)[find(id)] != 0) return;
   int64_t* slot_ids = ids_of(slot_ids_);
   uint8_t* referenced = referenced_.data();
   int64_t slot;
   if (used_ < capacity) {
     // Slots fill in order before any eviction; the index stays at most half full.
-    if (static_cast<uint64_t>(used_ + 1) * 2 > index_.size() && !grow_index()) return;
+    if (static_cast<uint64_t>(used_ + 1) * 2 > index_size_ && !grow_index()) return;
     slot = used_++;
   } else {
     while (referenced[hand_]) {
@@ -161,7 +168,7 @@ void RowCache::insert(int64_t id, const uint8_t* row) {
   std::memcpy(arena_.data() + slot * row_bytes_, row, row_bytes_);
   slot_ids[slot] = id;
   referenced[slot] = 0;
-  index_[find(id)] = static_cast<uint32_t>(slot + 1);
+  entries_of(index_)[find(id)] = static_cast<uint32_t>(slot + 1);
 }
 
 }  // namespace ple

@@ -8,15 +8,14 @@
 // Memory is resident only as rows fill it: the rows, each slot's id and its
 // CLOCK bit live in anonymous mappings of the budget's size that the kernel
 // backs with pages only once written (slots fill in order), and the index
-// from ids to slots is a hash table that grows with the rows it holds (4
-// bytes an entry, at most half full: 8 to 16 bytes a row).  A full cache of
-// rows of B bytes takes about B + 17 to 25 bytes a row.
+// from ids to slots is a hash table, in such a mapping too, that grows with
+// the rows it holds (4 bytes an entry, at most half full: 8 to 16 bytes a
+// row).  A full cache of rows of B bytes takes about B + 17 to 25 bytes a row.
 #pragma once
 
 #include <atomic>
 #include <cstdint>
 #include <mutex>
-#include <vector>
 
 namespace ple {
 
@@ -84,7 +83,8 @@ class RowCache {
   LazyArray arena_;                   // capacity_ rows
   LazyArray slot_ids_;                // int64 per slot: the row it holds
   LazyArray referenced_;              // uint8 per slot: CLOCK's bit
-  std::vector<uint32_t> index_;       // open addressing, linear probing; size a power of two
+  LazyArray index_;                   // uint32 entries: open addressing, linear probing
+  uint64_t index_size_ = 0;           // entries: 0 or a power of two
   int index_bits_ = 0;
   int64_t hand_ = 0;
 };

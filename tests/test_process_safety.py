@@ -445,6 +445,55 @@ def test_an_empty_row_cache_costs_no_memory(small_table):
     assert empty < 4 and filled < 8 and again < 8, out
 
 
+class ClockModel:
+    """The row cache's rule (row_cache.h): a gather looks every disk id up
+    first (a hit marks its slot), then caches the misses in address order
+    (here, one file: id order); slots fill in order, then CLOCK evicts."""
+
+    def __init__(self, capacity: int):
+        self.capacity, self.used, self.hand = capacity, 0, 0
+        self.slot_id, self.referenced, self.where = [0] * capacity, [0] * capacity, {}
+
+    def gather(self, ids) -> int:
+        misses, hits = [], 0
+        for i in ids:
+            slot = self.where.get(i)
+            if slot is None:
+                misses.append(i)
+            else:
+                self.referenced[slot] = 1
+                hits += 1
+        for i in sorted(misses):
+            if i in self.where:
+                continue
+            if self.used < self.capacity:
+                slot, self.used = self.used, self.used + 1
+            else:
+                while self.referenced[self.hand]:
+                    self.referenced[self.hand] = 0
+                    self.hand = (self.hand + 1) % self.capacity
+                slot, self.hand = self.hand, (self.hand + 1) % self.capacity
+                del self.where[self.slot_id[slot]]
+            self.slot_id[slot], self.referenced[slot], self.where[i] = i, 0, slot
+        return hits
+
+
+def test_the_row_cache_hits_as_clock_says_while_it_evicts(small_table):
+    """1 MiB holds 16,384 rows of 64 B; gathers of up to 16,384 rows (with
+    duplicates) over 20,000 evict all the time: every gather's hits are the
+    model's, and its bytes the file's."""
+    rng = np.random.default_rng(7)
+    model = ClockModel(16_384)
+    with ple.Table.from_safetensors(small_table, config=ple.GatherConfig(row_cache_mib=1)) as table:
+        for _ in range(60):
+            ids = torch.from_numpy(rng.integers(0, 20_000, int(rng.integers(1, 16_384))))
+            table.reset_stats()
+            rows = table.gather_bytes(ids)
+            assert table.stats()["row_cache_hits"] == model.gather(ids.tolist())
+            assert torch.equal(rows[:, :8].contiguous().view(torch.int64).reshape(-1), ids)
+            assert not rows[:, 8:].any()
+
+
 def test_a_row_cache_of_more_rows_than_it_can_number_cannot_be_had(small_table):
     """2**32 rows of 64 B (256 GiB): a MemoryError wherever memory is
     overcommitted too (the mapping would succeed there)."""
