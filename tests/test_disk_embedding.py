@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 
 import ple
-from helpers import assert_same_bits, write_gguf
+from helpers import assert_same_bits, assert_same_bits_but_nan, write_gguf
 from ple.layers import DiskEmbedding
 from ple.table import _open_tables
 
@@ -226,3 +226,52 @@ def test_compiled_equals_eager(checkpoint):
         want = F.embedding(ids, weights["fam"].to(torch.bfloat16)) * 2 + 1
         assert_same_bits(compiled(ids), want)
     model.embedding.close()
+
+
+# ---- CUDA (skipped without a GPU) -------------------------------------------------
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@cuda
+@pytest.mark.parametrize("name", ["f32", "f16", "bf16", "fam", "fp8", "fp8fam"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
+def test_cuda_equals_torch_on_the_gpu(checkpoint, name, dtype):
+    """CUDA ids: the rows come from disk_gather's CUDA kernel (staged, then
+    decoded by Triton), equal to F.embedding of torch's own cast on the GPU
+    (NaN: only NaN for FP8, whose scale multiply makes each device's NaN)."""
+    directory, weights = checkpoint
+    stored = weights[name]
+    with DiskEmbedding.from_safetensors(directory, name, dtype=dtype) as embedding:
+        embedding.to("cuda")
+        assert embedding.dtype_tracker.is_cuda
+        weight = stored.cuda()
+        if name.startswith("fp8"):
+            weight = weight.to(torch.float32) * embedding.table.scale
+        weight = weight.to(embedding.dtype)
+        for shape in ((13,), (3, 5)):
+            for id_dtype in (torch.int64, torch.int32):
+                ids = all_ids(shape, id_dtype).cuda()
+                got = embedding(ids)
+                assert got.is_cuda
+                want = F.embedding(ids, weight)
+                if name.startswith("fp8"):
+                    assert_same_bits_but_nan(got, want)
+                else:
+                    assert_same_bits(got, want)
+
+
+@cuda
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0"])
+def test_cuda_gguf_equals_dequantize(tmp_path, qtype):
+    values = np.random.default_rng(8).uniform(-2, 2, (ROWS, 64)).astype(np.float32)
+    q = gguf.GGMLQuantizationType[qtype]
+    data = gguf.quants.quantize(values, q)
+    write_gguf(tmp_path / "m.gguf", {"token_embd.weight": (data, q)})
+    weight = torch.from_numpy(np.ascontiguousarray(gguf.quants.dequantize(data, q)))
+    with DiskEmbedding.from_gguf(tmp_path / "m.gguf", "token_embd.weight",
+                                 dtype=torch.bfloat16) as embedding:
+        ids = all_ids((4, 7), torch.int64)
+        got = embedding.cuda()(ids.cuda())
+        assert got.is_cuda
+        assert_same_bits(got, F.embedding(ids, weight).to(torch.bfloat16))
