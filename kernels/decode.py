@@ -34,21 +34,27 @@ def decode_rows(raw: torch.Tensor, fmt: RowFormat, scale: float, dtype: torch.dt
             out.mul_(scale)  # the same multiply as `out * scale`, in place
         return out
 
-    def widen_and_scale(part: torch.Tensor) -> torch.Tensor:
-        wide = part.to(torch.float32)
-        return wide if scale == 1.0 else wide.mul_(scale)
-
-    return _chunked(values, dtype, widen_and_scale)
+    return _widen_scale_chunked(values, scale, dtype)
 
 
-def _chunked(values: torch.Tensor, dtype: torch.dtype, convert) -> torch.Tensor:
-    """``convert`` (to float32) of each chunk of rows of ``values``
-    ``[..., cols]``, cast into a new ``dtype`` tensor of the same shape."""
+def _widen_scale_chunked(values: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
+    """``(values.to(float32) * scale).to(dtype)`` for ``values`` ``[..., cols]``,
+    a chunk of rows at a time through one float32 scratch buffer that every
+    chunk reuses (``copy_`` widens as ``.to`` does, ``mul_`` multiplies as
+    ``*`` does).  A new intermediate for each chunk let the allocator's peak
+    wander: 8 to 28 MiB above a 64 MiB output on torch 2.9, 4 MiB with the
+    one buffer."""
     out = torch.empty(values.shape, dtype=dtype)
     flat_in, flat_out = values.reshape(-1, values.shape[-1]), out.view(-1, values.shape[-1])
     step = max(1, CHUNK_VALUES // max(1, values.shape[-1]))
+    wide = torch.empty((min(step, flat_in.shape[0]), flat_in.shape[1]), dtype=torch.float32)
     for begin in range(0, flat_in.shape[0], step):
-        flat_out[begin:begin + step].copy_(convert(flat_in[begin:begin + step]))
+        part = flat_in[begin:begin + step]
+        scratch = wide[:part.shape[0]]
+        scratch.copy_(part)
+        if scale != 1.0:
+            scratch.mul_(scale)
+        flat_out[begin:begin + step].copy_(scratch)
     return out
 
 
