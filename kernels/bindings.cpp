@@ -1,13 +1,17 @@
 // The Python face of the native part: tables by handle, the row gather, and
-// counters.  Operators are registered in Python (ops/), on top of these.
+// counters, and the definitions Python takes from here (the settings'
+// fields and ranges, the policies, the counters).  Operators are registered
+// in Python (ops/), on top of these.
 #include <pthread.h>
 #include <torch/extension.h>
 
 #include <atomic>
 
 #include "host_gather.h"
+#include "counters.h"
+#include "gather_config.h"
 #include "interrupt.h"
-#include "mapped_table.h"
+#include "table_registry.h"
 
 namespace py = pybind11;
 
@@ -69,6 +73,37 @@ int64_t open_table(const std::vector<std::string>& paths, const std::vector<int6
   return ple::register_table(std::move(table));
 }
 
+// native.POLICIES: the policies' names, the default first.
+py::tuple policy_names() {
+  py::list names;
+  for (const ple::PolicyName& policy : ple::kPolicies) names.append(policy.name);
+  return py::tuple(names);
+}
+
+// native.CONFIG_FIELDS: GatherConfig's fields in order, each a dict of its
+// name and default, and its choices (policy) or its unit, unit_bytes, least
+// and most (the int fields).
+py::tuple config_fields() {
+  py::list fields;
+  py::dict policy;
+  policy["name"] = "policy";
+  policy["default"] = ple::kPolicies[0].name;
+  policy["choices"] = policy_names();
+  fields.append(policy);
+  for (const ple::ConfigField& field : ple::kConfigFields) {
+    py::dict entry;
+    entry["name"] = field.name;
+    entry["default"] = field.default_value;
+    entry["unit"] = field.unit;
+    entry["unit_bytes"] = field.unit_bytes;
+    entry["least"] = field.least;
+    entry["most"] = field.most;
+    fields.append(entry);
+  }
+  return py::tuple(fields);
+}
+
+// GatherConfig's fields with the sizes in bytes (unit_bytes times the value).
 void configure(int64_t handle, const std::string& policy, uint64_t window_bytes, int threads,
                uint64_t row_cache_bytes) {
   ple::find_table(handle)->set_config({ple::parse_policy(policy), window_bytes, threads, row_cache_bytes});
@@ -79,7 +114,7 @@ void configure(int64_t handle, const std::string& policy, uint64_t window_bytes,
 // and fills the rows of ids in `resident` from its tiers.  `for_tiers`: the
 // rows are being read into the tiers, so no prefetch serves them and the row
 // cache neither serves nor keeps them.
-void read_rows(int64_t handle, const torch::Tensor& ids, torch::Tensor& out, ple::RowRange resident,
+void read_rows(int64_t handle, const torch::Tensor& ids, torch::Tensor& out, ple::ResidentRange resident,
                bool for_tiers) {
   TORCH_CHECK(ids.device().is_cpu() && ids.is_contiguous(), "ids must be a contiguous CPU tensor");
   TORCH_CHECK(ids.scalar_type() == torch::kInt64 || ids.scalar_type() == torch::kInt32,
@@ -127,6 +162,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::register_exception<ple::OsError>(m, "NativeOSError", PyExc_OSError);
   m.attr("torch_version") = PLE_STRINGIFY(PLE_TORCH_VERSION);
   m.attr("MAX_THREADS") = ple::kMaxThreads;
+  m.attr("CONFIG_FIELDS") = config_fields();
+  m.attr("POLICIES") = policy_names();
+  m.attr("COUNTERS") = py::cast(ple::counter_meanings());  // [(name, meaning)], stats()'s order
   main_thread.store(py::module_::import("threading").attr("main_thread")().attr("ident").cast<unsigned long>());
   m.def("open_table", &open_table, "Maps a table's shards; returns its handle");
   // Without the GIL: closing waits for the table's prefetch thread to stop.

@@ -118,7 +118,7 @@ struct HostGatherJob {
   uintptr_t stream;
   const int64_t* ids;  // pinned, written by a device-to-host copy ordered before
   int64_t n;
-  RowRange resident;  // fixed at launch: a captured graph keeps its tiers
+  ResidentRange resident;  // fixed at launch: a captured graph keeps its tiers
   uint8_t* staging;  // pinned, n * row_bytes
   int32_t* status;   // pinned; 0 when the rows in staging are this job's
   bool one_shot;     // eager launch: the job frees itself after it runs
@@ -184,7 +184,7 @@ void unregister_host_memory(void* data, int device) {
 }
 
 void launch_host_gather(uintptr_t stream, int64_t handle, const int64_t* ids, int64_t n,
-                        RowRange resident, uint8_t* staging, int32_t* status, bool capturing) {
+                        ResidentRange resident, uint8_t* staging, int32_t* status, bool capturing) {
   auto job = std::make_unique<HostGatherJob>(
       HostGatherJob{handle, stream, ids, n, resident, staging, status, !capturing});
   check(driver().launch_host_func(reinterpret_cast<CUstream>(stream), run_job, job.get()),

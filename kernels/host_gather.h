@@ -4,7 +4,7 @@
 #include <cstdint>
 #include <string>
 
-#include "mapped_table.h"
+#include "table_registry.h"
 
 namespace ple {
 
@@ -14,7 +14,7 @@ namespace ple {
 // All three pointers are pinned host memory that stays valid while the work
 // (or, when `capturing`, the graph it is captured into) may run.
 void launch_host_gather(uintptr_t stream, int64_t handle, const int64_t* ids, int64_t n,
-                        RowRange resident, uint8_t* staging, int32_t* status, bool capturing);
+                        ResidentRange resident, uint8_t* staging, int32_t* status, bool capturing);
 
 // Page-locks host memory for the CUDA operator (also while a graph is being
 // captured, which cudaHostRegister refuses), and undoes it.  `device`: whose

@@ -1,6 +1,8 @@
 // The windowed row gather: copies requested rows out of a MappedTable in
 // ascending address order while keeping a bounded amount of MADV_WILLNEED
 // advice ahead of the copy.  See README "Prefetch policies" for why.
+#include "row_gather.h"
+
 #include <sys/mman.h>
 #include <sys/resource.h>
 #include <unistd.h>
@@ -47,33 +49,33 @@ struct ChunkCounters {
 enum PageState : uint8_t { kUnseen, kResident, kAdvised, kAdvisedCopied };
 
 // One mincore call answers for a run of requested pages that lie at most
-// kProbeGapPages apart, up to kProbeSpanPages in all: in the kernel a page
-// costs far less than a call, and with one call per page the probes of a
-// warm request cost more than its copy.
-constexpr uintptr_t kProbeGapPages = 64;
-constexpr uintptr_t kProbeSpanPages = 4096;
+// kMincoreGapPages apart, up to kMincoreSpanPages in all: in the kernel a page
+// costs far less than a call, and with one call per page the mincore calls of
+// a warm request cost more than its copy.
+constexpr uintptr_t kMincoreGapPages = 64;
+constexpr uintptr_t kMincoreSpanPages = 4096;
 
 // Residency of a sorted list of pages, asked of mincore a run at a time.
-class ResidencyProbe {
+class PageResidency {
  public:
-  explicit ResidencyProbe(const std::vector<uintptr_t>& pages)
+  explicit PageResidency(const std::vector<uintptr_t>& pages)
       : pages_(pages), known_(pages.size(), kUnknown) {}
 
   bool resident(size_t i) {
-    if (known_[i] == kUnknown) probe_from(i);
+    if (known_[i] == kUnknown) ask_from(i);
     return known_[i] == kYes;
   }
 
  private:
   enum : uint8_t { kUnknown, kYes, kNo };
 
-  void probe_from(size_t i) {
+  void ask_from(size_t i) {
     size_t end = i + 1;
-    while (end < pages_.size() && pages_[end] - pages_[end - 1] <= kProbeGapPages * kPage &&
-           pages_[end] - pages_[i] < kProbeSpanPages * kPage) {
+    while (end < pages_.size() && pages_[end] - pages_[end - 1] <= kMincoreGapPages * kPage &&
+           pages_[end] - pages_[i] < kMincoreSpanPages * kPage) {
       ++end;
     }
-    vec_.resize(kProbeSpanPages);
+    vec_.resize(kMincoreSpanPages);
     const uintptr_t length = pages_[end - 1] - pages_[i] + kPage;
     if (::mincore(reinterpret_cast<void*>(pages_[i]), length, vec_.data()) == 0) {
       for (size_t j = i; j < end; ++j) known_[j] = vec_[(pages_[j] - pages_[i]) / kPage] & 1 ? kYes : kNo;
@@ -181,7 +183,7 @@ class ChunkGather {
       first_page_[k] = pages_.size() - 1 - (last - first) / kPage;
     }
     state_.assign(pages_.size(), kUnseen);
-    residency_ = std::make_unique<ResidencyProbe>(pages_);
+    residency_ = std::make_unique<PageResidency>(pages_);
   }
 
   // Looks at page i; advises it unless mincore says it is resident.
@@ -197,7 +199,8 @@ class ChunkGather {
     run.add(pages_[i]);
   }
 
-  // The old operator: advise every cold page of the request, then copy.
+  // "all": advise every cold page of the request, then copy (the plain way,
+  // kept to compare the others with).
   void advise_all() {
     AdviceRun run;
     for (size_t i = 0; i < pages_.size(); ++i) consider(i, run);
@@ -320,7 +323,7 @@ class ChunkGather {
   std::vector<uintptr_t> pages_;
   std::vector<size_t> first_page_;
   std::vector<uint8_t> state_;
-  std::unique_ptr<ResidencyProbe> residency_;
+  std::unique_ptr<PageResidency> residency_;
   uint64_t advised_ahead_ = 0;
   size_t copied_pages_ = 0;  // the pages before this one were copied while warm
   uint64_t faults_seen_ = 0;  // this thread's major faults after the last counted copy
@@ -351,7 +354,7 @@ int parts_for(int64_t threads, int64_t rows) {
 // slice's rows in place; the gaps that resident ids leave are closed after.
 template <typename Id>
 void validate_and_address(const MappedTable& table, const void* ids, int64_t n,
-                          RowRange resident, int parts, std::vector<RowRef>& rows) {
+                          ResidentRange resident, int parts, std::vector<RowRef>& rows) {
   const int64_t num_rows = table.num_rows();
   std::vector<int64_t> first_bad(parts, -1);
   std::vector<int64_t> kept(parts, 0);
@@ -529,7 +532,7 @@ std::vector<ChunkCounters> copy_from_disk(MappedTable& table, const GatherConfig
 }  // namespace
 
 void gather_rows(MappedTable& table, const void* ids, bool ids_are_int64, int64_t n,
-                 uint8_t* out, RowRange resident, bool use_row_cache, Interruption& stop) {
+                 uint8_t* out, ResidentRange resident, bool use_row_cache, Interruption& stop) {
   const auto t0 = std::chrono::steady_clock::now();
   const GatherConfig config = table.config();
   int64_t threads = config.threads;

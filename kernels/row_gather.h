@@ -1,0 +1,34 @@
+// The windowed row gather (row_gather.cpp): copies requested rows out of a
+// MappedTable in ascending address order, keeping a bounded amount of
+// MADV_WILLNEED advice ahead of the copy.
+#pragma once
+
+#include <cstdint>
+
+#include "interrupt.h"
+
+namespace ple {
+
+class MappedTable;
+
+// The rows [begin, end) that the table's device and host tiers hold
+// (Table.resident_range): the gather leaves them to its caller.
+struct ResidentRange {
+  int64_t begin = 0, end = 0;
+  bool contains(int64_t id) const { return id >= begin && id < end; }
+  bool operator==(const ResidentRange& other) const {
+    return begin == other.begin && end == other.end;
+  }
+};
+
+// Copies the rows `ids` (int32 or int64, n of them) into `out`, row i of the
+// request at out + i * row_bytes.  Validates every id before writing.  Ids
+// in `resident` live in the device and host tiers, which the caller reads:
+// their rows in `out` are left as they were, and they are not counted.
+// `use_row_cache`: look the rows up in the row cache and keep the ones read
+// (false for rows that are about to become resident).  `stop` can end the
+// gather early with Interrupted (`out` is then partly written).
+void gather_rows(MappedTable& table, const void* ids, bool ids_are_int64, int64_t n,
+                 uint8_t* out, ResidentRange resident, bool use_row_cache, Interruption& stop);
+
+}  // namespace ple
