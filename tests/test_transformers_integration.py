@@ -109,6 +109,8 @@ def test_logits_and_generation_equal_transformers(checkpoints, key, dtype, caplo
     assert sorted(tables(served)) == names
     assert set(reference.state_dict()) - set(served.state_dict()) == {f"{n}.weight" for n in names}
     assert f"ple: {len(names)} table" in caplog.text
+    assert (f"{names[0]} <- {names[0]}.shard_{{0..3}}.weight" if key == "qwen4exp"
+            else f"{names[0]} <- {names[0]}.weight") in caplog.text
     for name in names:
         module = served.get_submodule(name)
         assert isinstance(module, DiskEmbedding)

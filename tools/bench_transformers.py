@@ -18,14 +18,19 @@ from the page cache (the first token is cold, as after a reboot):
   each table in memory (skipped when the machine has too little memory);
 - ``disk-offload``: ``from_pretrained`` with a ``device_map`` sending the
   tables to ``"disk"`` (needs accelerate): transformers concatenates each
-  table, writes it to an offload folder, and accelerate reads it back whole
-  at each forward.
+  table in memory and writes it to an offload folder as a safetensors file
+  (a copy of the table), which accelerate's hook opens at each forward
+  (safetensors maps it, so the lookup reads the rows it needs).
 
 ``load s`` is the ``from_pretrained`` call, ``peak RSS`` the process's
 VmHWM less its resident memory before loading, ``first token s`` a greedy
-``generate`` of one token after ``--prompt`` tokens, ``ms/token`` the mean of
-``--new-tokens`` greedy tokens after it (a second ``generate``, prefill
-excluded).  Every arm must generate the same tokens.
+``generate`` of one token after ``--prompt`` tokens (the first call, cold).
+After a warm-up ``generate`` of other tokens, ``ms/token`` is the median
+time of the ``--new-tokens`` decode steps of a ``generate`` of new tokens
+(rows never read before: from the disk for ple), and ``again`` the same for
+a repeat of that ``generate`` (the same rows, now in the page cache), and
+``disk read`` what the process read from the disk.  Every arm must generate
+the same tokens.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -194,6 +200,12 @@ def proc_status(key: str) -> int:
     raise KeyError(key)
 
 
+def disk_read_bytes() -> int:
+    """Bytes this process has had read from the block device (readahead too)."""
+    with open("/proc/self/io") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("read_bytes"))
+
+
 def mem_available() -> int:
     with open("/proc/meminfo") as f:
         for line in f:
@@ -211,6 +223,7 @@ def run_arm(spec: dict) -> dict:
     transformers.utils.logging.disable_progress_bar()
     directory, dtype = Path(spec["dir"]), DTYPES[spec["dtype"]]
     before = proc_status("VmRSS")
+    read_before = disk_read_bytes()
     start = time.perf_counter()
     offload_dir = None
     if spec["arm"] == "ple":
@@ -228,28 +241,38 @@ def run_arm(spec: dict) -> dict:
     load_s = time.perf_counter() - start
     load_peak = proc_status("VmHWM") - before
     generator = torch.Generator().manual_seed(spec["seed"])
-    prompt = torch.randint(3, model.config.vocab_size, (1, spec["prompt"]), generator=generator)
+    first_prompt, warmup, prompt = (
+        torch.randint(3, model.config.vocab_size, (1, spec["prompt"]), generator=generator)
+        for _ in range(3))
+    new = spec["new_tokens"]
     with torch.inference_mode():
         start = time.perf_counter()
-        first = model.generate(prompt, max_new_tokens=1, do_sample=False)
+        model.generate(first_prompt, max_new_tokens=1, do_sample=False)
         first_s = time.perf_counter() - start
-        start = time.perf_counter()
-        prefill = model.generate(prompt, max_new_tokens=1, do_sample=False)
-        prefill_s = time.perf_counter() - start
-        start = time.perf_counter()
-        tokens = model.generate(prompt, max_new_tokens=1 + spec["new_tokens"], do_sample=False,
-                                min_new_tokens=1 + spec["new_tokens"])
-        total_s = time.perf_counter() - start
-    assert torch.equal(first, prefill)
+        first_gather_s = _gather_seconds(model) if spec["arm"] == "ple" else None
+        # The first decode steps of a process cost more (code paths run for
+        # the first time): a warm-up on other tokens, so other rows.
+        model.generate(warmup, max_new_tokens=1 + new, min_new_tokens=1 + new, do_sample=False)
+        runs = []
+        for _ in range(2):  # new rows (cold for ple), then the same rows again
+            streamer = TokenTimes()
+            tokens = model.generate(prompt, max_new_tokens=1 + new, min_new_tokens=1 + new,
+                                    do_sample=False, streamer=streamer)
+            runs.append(streamer.intervals_ms())
     record = {"arm": spec["arm"], "load_s": load_s, "load_peak_bytes": load_peak,
               "peak_bytes": proc_status("VmHWM") - before, "first_token_s": first_s,
-              "ms_per_token": (total_s - prefill_s) / spec["new_tokens"] * 1e3,
+              "first_token_gather_s": first_gather_s,
+              "disk_read_bytes": disk_read_bytes() - read_before,
+              "ms_per_token": statistics.median(runs[0]), "ms_per_token_again":
+              statistics.median(runs[1]), "token_ms": runs,
               "tokens": tokens[0, spec["prompt"]:].tolist()}
     if spec["arm"] == "ple":
         from ple.integrations.transformers import tables
 
         stats = [t.stats() for t in tables(model).values()]
         record["gathered_rows"] = sum(s["rows"] for s in stats)
+        record["gather_s"] = sum(s["gather_ns"] for s in stats) / 1e9
+        record["major_faults"] = sum(s["major_faults"] for s in stats)
         record["tables"] = len(stats)
     if offload_dir is not None:
         record["offload_folder_bytes"] = sum(f.stat().st_size for f in Path(offload_dir).rglob("*")
@@ -287,6 +310,30 @@ def disk_device_map(model_class, directory: Path, disk: Iterable[str]) -> dict[s
     return device_map
 
 
+def _gather_seconds(model) -> float:
+    from ple.integrations.transformers import tables
+
+    return sum(t.stats()["gather_ns"] for t in tables(model).values()) / 1e9
+
+
+class TokenTimes:
+    """A generate() streamer that notes when each token comes: the prompt
+    first, then one token a step."""
+
+    def __init__(self):
+        self.times: list[float] = []
+
+    def put(self, value) -> None:
+        self.times.append(time.perf_counter())
+
+    def end(self) -> None:
+        pass
+
+    def intervals_ms(self) -> list[float]:
+        """The decode steps' times: from the first new token to each next."""
+        return [(b - a) * 1e3 for a, b in zip(self.times[1:], self.times[2:])]
+
+
 def spawn_arm(spec: dict, timeout: float) -> dict:
     try:
         child = subprocess.run([sys.executable, __file__, "--child", json.dumps(spec)],
@@ -318,7 +365,7 @@ def main(argv=None) -> int:
     parser.add_argument("--in-memory", dest="in_memory", action="store_true",
                         help="run the in-memory arm even when MemAvailable looks too small")
     parser.add_argument("--prompt", type=int, default=32, help="prompt tokens (default 32)")
-    parser.add_argument("--new-tokens", type=int, default=8, help="timed tokens (default 8)")
+    parser.add_argument("--new-tokens", type=int, default=32, help="timed tokens (default 32)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=1200, help="seconds per arm")
     parser.add_argument("--offload-dir", type=Path, help="where disk-offload writes (default --dir)")
@@ -335,7 +382,7 @@ def main(argv=None) -> int:
     print(f"checkpoint {args.dir}: {len(info['tables'])} n-gram tables, {gib(info['table_bytes'])} "
           f"GiB of {info['dtype']} rows (ready in {time.perf_counter() - start:.1f} s)")
     print(f"machine: {os.cpu_count()} CPUs, {gib(mem_available())} GiB available, torch "
-          f"{torch.__version__}")
+          f"{torch.__version__}, load average {os.getloadavg()[0]:.2f}")
     results = []
     for arm in args.arms.split(","):
         if arm not in ARMS:
@@ -347,10 +394,11 @@ def main(argv=None) -> int:
         spec = {"arm": arm, "dir": str(args.dir), "dtype": args.dtype, "prompt": args.prompt,
                 "new_tokens": args.new_tokens, "seed": args.seed,
                 "offload_dir": str(args.offload_dir) if args.offload_dir else None}
-        results.append(spawn_arm(spec, args.timeout))
-        print(f"  {arm}: done", flush=True)
+        results.append(spawn_arm(spec, args.timeout) | {"loadavg": os.getloadavg()[0]})
+        print(f"  {arm}: done (load average {os.getloadavg()[0]:.2f})", flush=True)
 
-    print(f"\n{'arm':<14}{'load s':>9}{'peak RSS GiB':>14}{'first token s':>15}{'ms/token':>10}")
+    print(f"\n{'arm':<14}{'load s':>9}{'peak RSS GiB':>14}{'first token s':>15}{'ms/token':>10}"
+          f"{'again':>8}{'disk read GiB':>15}")
     reference = next((r["tokens"] for r in results if "tokens" in r), None)
     for r in results:
         if "skipped" in r:
@@ -358,7 +406,8 @@ def main(argv=None) -> int:
             continue
         same = "" if r["tokens"] == reference else "  (tokens differ!)"
         print(f"{r['arm']:<14}{r['load_s']:>9.2f}{gib(r['peak_bytes']):>14}"
-              f"{r['first_token_s']:>15.3f}{r['ms_per_token']:>10.1f}{same}")
+              f"{r['first_token_s']:>15.3f}{r['ms_per_token']:>10.1f}"
+              f"{r['ms_per_token_again']:>8.1f}{gib(r['disk_read_bytes']):>15}{same}")
     ok = all(r.get("tokens", reference) == reference for r in results)
     if args.json:
         args.json.write_text(json.dumps({"checkpoint": info, "args": vars(args) | {

@@ -39,6 +39,9 @@ the original does; a Qwen4Exp n-gram module keeps its own ids, hashing and
 flatten, only its inner ``ngram_embedding`` is replaced.  Other subclasses of
 ``nn.Embedding`` with a forward of their own are refused, as are tied weights
 (the other side of the tie would need the table in memory) and ``max_norm``.
+
+``save_pretrained`` of such a model writes it without the offloaded tables
+(they are not parameters): keep the original checkpoint.
 """
 
 from __future__ import annotations
@@ -464,6 +467,12 @@ def _report(found: dict[str, str], model: nn.Module, where: Path, asked) -> None
         return
     served = tables(model)
     total = sum(served[name].num_rows * served[name].row_bytes for name in found if name in served)
-    logger.info("ple: %d table%s (%.1f MiB) served from the files in %s, not loaded: %s",
+
+    def source(name: str) -> str:
+        table = served.get(name)
+        shards = len(table.shard_rows) if table is not None else 1
+        return found[name] if shards == 1 else f"{found[name]}.shard_{{0..{shards - 1}}}.weight"
+
+    logger.info("ple: %d table%s (%.1f MiB) left in the files of %s and served by ple: %s",
                 len(found), "" if len(found) == 1 else "s", total / 2**20, where,
-                ", ".join(f"{name} <- {tensor}" for name, tensor in found.items()))
+                ", ".join(f"{name} <- {source(name)}" for name in found))
