@@ -19,7 +19,7 @@ changes gguf's operations even where that argument would not hold.
 
 One kernel for the five formats, specialized by ``FMT``: they share everything
 but the few lines that find a value's bits and scale in its block (block
-layouts: design.md section 2 and gguf/quants.py).  Each program decodes
+layouts: `docs/design.md`, "Formats", and gguf/quants.py).  Each program decodes
 ``BLOCK`` consecutive values of one row, one per lane; a lane reads the bytes
 of its own value and of its block's scales (lanes of one block read the same
 scale bytes, which the caches serve).

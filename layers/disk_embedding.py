@@ -8,7 +8,8 @@ import torch
 
 from ple.config import GatherConfig
 from ple.formats import OUTPUT_DTYPES
-from ple.table import PathsLike, Table
+from ple.safetensors_tables import PathsLike
+from ple.table import Table
 
 from .parallel import gather, prefetch
 

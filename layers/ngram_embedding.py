@@ -11,7 +11,8 @@ from safetensors import safe_open
 
 from ple.config import GatherConfig
 from ple.formats import OUTPUT_DTYPES
-from ple.table import PathsLike, Table, read_checkpoint_entries
+from ple.safetensors_tables import PathsLike, read_checkpoint_entries
+from ple.table import Table
 
 from .ngram_ids import NGramConstants, NGramHashing, decoder_layer
 from .parallel import RowSplit, gather, prefetch

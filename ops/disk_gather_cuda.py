@@ -39,10 +39,10 @@ def disk_gather_cuda(table: Table, ids: torch.Tensor, dtype: torch.dtype) -> tor
     if n == 0:
         return out
     capturing = torch.cuda.is_current_stream_capturing()
-    placement = table.placement
-    if placement is not None:
-        placement.check_device(ids.device, table.name)
-    on_disk = placement is None or placement.resident_range != (0, table.num_rows)
+    tiers = table.tiers
+    if tiers is not None:
+        tiers.check_device(ids.device, table.name)
+    on_disk = tiers is None or tiers.resident_range != (0, table.num_rows)
 
     rows = status = None
     if on_disk:
@@ -50,11 +50,11 @@ def disk_gather_cuda(table: Table, ids: torch.Tensor, dtype: torch.dtype) -> tor
         if rows.numel() > UVA_MAX_BYTES:
             rows = rows.to(ids.device, non_blocking=True)
     with torch.cuda.device(ids.device):
-        if placement is not None:
+        if tiers is not None:
             # No host gather checks the ids when every row is resident: the
             # kernel does, and the next call learns of a bad one.
-            rows, status = placement.assemble(ids, table.num_rows, rows, status,
-                                              None if on_disk else staging.bad_id_word(), capturing)
+            rows, status = tiers.assemble(ids, table.num_rows, rows, status,
+                                          None if on_disk else staging.bad_id_word(), capturing)
         decode = decode_blocks_triton if table.row_format.is_block else decode_rows_triton
         decode(rows, table.row_format, table.scale, out.view(n, table.cols), status=status)
     return out

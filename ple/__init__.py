@@ -10,8 +10,9 @@ __version__ = "0.2.0"
 
 from . import ops  # noqa: E402  (registers torch.ops.ple)
 from .config import POLICIES, GatherConfig  # noqa: E402
+from .counters import COUNTERS  # noqa: E402
 from .formats import FORMATS  # noqa: E402
 from .ops.disk_gather import gather  # noqa: E402
 from .table import Table  # noqa: E402
 
-__all__ = ["FORMATS", "POLICIES", "GatherConfig", "Table", "__version__", "gather"]
+__all__ = ["COUNTERS", "FORMATS", "POLICIES", "GatherConfig", "Table", "__version__", "gather"]

@@ -1,65 +1,75 @@
-"""How the gather reads: prefetch policy, window and threads."""
+"""How the gather reads: prefetch policy, window, threads and row cache.
+
+The fields, their units, defaults and ranges, and the policies are defined
+once, by the native part (``kernels/gather_config.h``), which checks them
+too; this module takes them from it (``FIELDS``).
+"""
 
 from __future__ import annotations
 
-import hashlib
-import json
+import dataclasses
 import os
-from dataclasses import asdict, dataclass, field
-from typing import ClassVar
+from dataclasses import dataclass, field
 
-POLICIES = ("window", "distance", "all", "none")
+from .kernels.native import native
 
-# The most threads one gather runs on.  The gather's threads live for the whole
-# process (the worker pool keeps every thread it has started), and past the
-# machine's CPUs more threads only contend; 256 is more than the CPUs of most
-# hosts this runs on, and bounds what a wrong value can start.
-MAX_THREADS = 256
-# The largest window: 2**40 KiB (1 PiB, 2**50 bytes).  The native gather
-# counts the window in bytes in uint64 and adds it to mapped addresses (below
-# 2**57 on every 64-bit Linux), which cannot wrap below 2**63; no page cache
-# comes near it.
-MAX_PREFETCH_WINDOW_KIB = 1 << 40
-# The largest row cache budget: 2**40 MiB (1 EiB, 2**60 bytes), a factor 8
-# below int64's limit for the native side's byte counts (``row_cache_mib << 20``
-# as uint64, slots = bytes / row_bytes in int64).  A budget that the machine
-# cannot map fails when it is set, with MemoryError (see Tiers in the README).
-MAX_ROW_CACHE_MIB = 1 << 40
+# Each field of GatherConfig by name, in its order: "default", and "choices"
+# (policy) or "unit", "unit_bytes" (bytes per unit; 0 for a count), "least"
+# and "most" (the int fields).
+FIELDS: dict[str, dict] = {entry["name"]: dict(entry) for entry in native.CONFIG_FIELDS}
+
+# The policies, the default first.
+POLICIES: tuple[str, ...] = tuple(FIELDS["policy"]["choices"])
+# The most threads one gather runs on (256): the gather's threads live for the
+# whole process, and past the machine's CPUs more threads only contend.
+MAX_THREADS: int = FIELDS["threads"]["most"]
+# The largest window, 2**40 KiB (1 PiB): the native gather counts it in bytes.
+MAX_PREFETCH_WINDOW_KIB: int = FIELDS["prefetch_window_kib"]["most"]
+# The largest row cache budget, 2**40 MiB (2**60 bytes); a budget that the
+# machine cannot map fails when it is set, with MemoryError.
+MAX_ROW_CACHE_MIB: int = FIELDS["row_cache_mib"]["most"]
 # Each int field's allowed range, both ends included.
-RANGES = {"prefetch_window_kib": (0, MAX_PREFETCH_WINDOW_KIB), "threads": (1, MAX_THREADS),
-          "row_cache_mib": (0, MAX_ROW_CACHE_MIB)}
+RANGES: dict[str, tuple[int, int]] = {
+    name: (entry["least"], entry["most"]) for name, entry in FIELDS.items() if "least" in entry}
+
+
+def _default_threads() -> int:
+    # The native default is a cap: the machine's CPUs, at most that many.
+    return min(FIELDS["threads"]["default"], os.cpu_count() or 1)
 
 
 @dataclass(frozen=True)
 class GatherConfig:
-    """Settings of a table's gather.
+    """Settings of a table's gather (``table.config = GatherConfig(...)``,
+    applied from the next call).  Every field changes how rows are read,
+    never which bytes come back.
 
-    policy: "window" (default) keeps at most ``prefetch_window_kib`` of pages
-        advised and not yet copied; "distance" advises pages less than
-        ``prefetch_window_kib`` ahead of the copy address (the seed's rule);
-        "all" advises every cold page first (the seed's old operator);
-        "none" never advises.
-    prefetch_window_kib: the window; 0 means no advice at all; at most
-        ``MAX_PREFETCH_WINDOW_KIB`` (2**40).
-    threads: a request of at least 256 rows per thread is split by address
-        range over up to this many threads, which share the window.
-        Default: the machine's CPUs, at most 16; at most ``MAX_THREADS`` (256).
-    row_cache_mib: a host cache of recently gathered disk-tier rows, in
-        front of the disk, holding at most this many MiB; 0 (default) is off;
-        at most ``MAX_ROW_CACHE_MIB`` (2**40).
+    Attributes:
+        policy: how pages are advised ahead of the copy (``POLICIES``):
+            "window" (default) keeps at most ``prefetch_window_kib`` of pages
+            advised and not yet copied; "distance" advises the pages less
+            than ``prefetch_window_kib`` ahead of the copy address, however
+            many those are; "all" advises every cold page of the request
+            before copying (the plain way, to compare the others with);
+            "none" never advises.
+        prefetch_window_kib: the window, in KiB (default 4096); 0 means no
+            advice at all; at most ``MAX_PREFETCH_WINDOW_KIB`` (2**40).
+        threads: a request of at least 256 rows per thread is split by
+            address range over up to this many threads, which share the
+            window.  Default: the machine's CPUs, at most 16; at most
+            ``MAX_THREADS`` (256).
+        row_cache_mib: a host cache of recently gathered disk-tier rows, in
+            front of the disk, holding at most this many MiB; 0 (default) is
+            off; at most ``MAX_ROW_CACHE_MIB`` (2**40).
 
     A field of the wrong type or outside its range is a ValueError naming
     the field, the value and the range (``RANGES``).
     """
 
-    policy: str = "window"
-    prefetch_window_kib: int = 4096
-    threads: int = field(default_factory=lambda: min(16, os.cpu_count() or 1))
-    row_cache_mib: int = 0
-
-    # Fields that change how rows are read but never which bytes come back.
-    IO_ONLY_FIELDS: ClassVar[frozenset[str]] = frozenset(
-        {"policy", "prefetch_window_kib", "threads", "row_cache_mib"})
+    policy: str = FIELDS["policy"]["default"]
+    prefetch_window_kib: int = FIELDS["prefetch_window_kib"]["default"]
+    threads: int = field(default_factory=_default_threads)
+    row_cache_mib: int = FIELDS["row_cache_mib"]["default"]
 
     def __post_init__(self):
         if self.policy not in POLICIES:
@@ -84,8 +94,17 @@ class GatherConfig:
             fields["prefetch_window_kib"] = int(kib)
         return cls(policy=policy, **fields)
 
-    def compute_hash(self) -> str:
-        """A hash of the fields that can change results (none of the I/O fields),
-        for callers that key compiled artifacts or caches on the config."""
-        result_fields = {k: v for k, v in asdict(self).items() if k not in self.IO_ONLY_FIELDS}
-        return hashlib.sha256(json.dumps(result_fields, sort_keys=True).encode()).hexdigest()
+    def _native_args(self) -> tuple:
+        """The fields in order as the native ``configure`` takes them, the
+        sizes in bytes (a value times its unit's bytes)."""
+        def native_value(name: str):
+            unit_bytes = FIELDS[name].get("unit_bytes", 0)
+            return getattr(self, name) * unit_bytes if unit_bytes else getattr(self, name)
+
+        return tuple(native_value(name) for name in FIELDS)
+
+
+# The dataclass spells the field names out; they must be the native side's.
+if [f.name for f in dataclasses.fields(GatherConfig)] != list(FIELDS):
+    raise ImportError(f"ple.GatherConfig's fields {[f.name for f in dataclasses.fields(GatherConfig)]} "
+                      f"are not the native part's {list(FIELDS)}: rebuild the native part")

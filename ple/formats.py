@@ -70,3 +70,13 @@ BY_SAFETENSORS_DTYPE = {f.safetensors_dtype: f for f in VALUE_FORMATS.values()}
 BY_GGUF_TYPE = {"F32": FORMATS["f32"], "F16": FORMATS["f16"], "BF16": FORMATS["bf16"],
                 **{f.name.upper(): f for f in BLOCK_FORMATS.values()}}
 OUTPUT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+# A row wider than this cannot be in any file: only a table of no rows could
+# claim it, and the native code counts bytes in int64.
+MAX_ROW_BYTES = 1 << 48
+
+
+def check_row_bytes(tensor: str, row_bytes: int) -> None:
+    """A ValueError naming ``tensor`` when its rows are wider than MAX_ROW_BYTES."""
+    if row_bytes > MAX_ROW_BYTES:
+        raise ValueError(f"{tensor} has rows of {row_bytes} bytes, more than {MAX_ROW_BYTES}")

@@ -1,37 +1,30 @@
-"""Tables: row-major embedding tables that stay in their checkpoint files."""
+"""``ple.Table``: a row-major embedding table that stays in its checkpoint
+files, from opening (safetensors or GGUF) to close: its native handle, its
+gather settings, its tiers, its CUDA staging buffers and its counters.
+Which table of a set of safetensors files is opened: safetensors_tables.py."""
 
 from __future__ import annotations
 
-import errno
 import os
-import re
 import threading
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from pathlib import Path
-from typing import Union
 
 import torch
 
 from .kernels.native import native
 
 from .config import GatherConfig
-from .files import open_regular_binary
-from .formats import BY_GGUF_TYPE, BY_SAFETENSORS_DTYPE, RowFormat
+from .counters import COUNTERS
+from .formats import BY_GGUF_TYPE, RowFormat, check_row_bytes
 from .gguf_header import read_gguf_tensors
-from .safetensors_header import TensorEntry, read_header
+from .safetensors_header import TensorEntry
+# SHARD_NAME and read_checkpoint_entries are importable from here too (as
+# PathsLike and TensorEntry are), for the modules that took them from here.
+from .safetensors_tables import SHARD_NAME, PathsLike, read_checkpoint_entries, select_table  # noqa: F401
 from .staging import StreamStaging
-from .tiers import Placement
-
-PathsLike = Union[str, os.PathLike, Iterable[Union[str, os.PathLike]]]
-
-# ASCII digits only (\d would take other scripts' digits, which int() reads);
-# an index with leading zeros matches, to be refused by _shard_families.
-SHARD_NAME = re.compile(r"^(?P<prefix>.+)\.shard_(?P<index>[0-9]+)\.weight$")
-# A row wider than this cannot be in any file: only a table of no rows could
-# claim it, and the native code counts bytes in int64.
-MAX_ROW_BYTES = 1 << 48
-SCALE_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+from .tiers import Tiers
 
 # Open tables by handle, for the operators; a table that is dropped closes.
 _open_tables: "weakref.WeakValueDictionary[int, Table]" = weakref.WeakValueDictionary()
@@ -47,6 +40,8 @@ COMPILED_HINT = ("a table must stay open while code that gathers from it runs, c
 
 
 def table_for_handle(handle: int) -> "Table":
+    """The open table of ``handle`` (the operators' way to it); a ValueError
+    naming the table when it was closed."""
     table = _open_tables.get(handle)
     if table is None:
         name = _names_by_handle.get(handle)
@@ -62,151 +57,47 @@ def _remember_name(handle: int, name: str) -> None:
         del _names_by_handle[next(iter(_names_by_handle))]  # the oldest
 
 
-def _resolve_paths(paths: PathsLike) -> list[Path]:
-    items = [paths] if isinstance(paths, (str, os.PathLike)) else list(paths)
-    files: list[Path] = []
-    for item in items:
-        path = Path(item)
-        if path.is_dir():
-            found = sorted(path.glob("*.safetensors"))
-            if not found:
-                raise FileNotFoundError(errno.ENOENT, "no *.safetensors files in directory", str(path))
-            files.extend(found)
-        elif path.exists():
-            files.append(path)
-        else:
-            raise FileNotFoundError(errno.ENOENT, "no such table file", str(path))
-    if not files:
-        raise ValueError("no table files given")
-    return files
-
-
-def _read_entries(files: list[Path]) -> dict[str, TensorEntry]:
-    entries: dict[str, TensorEntry] = {}
-    for path in files:
-        for name, entry in read_header(path).items():
-            if name in entries:
-                raise ValueError(f"tensor {name!r} is in both {entries[name].path} and {path}")
-            entries[name] = entry
-    return entries
-
-
-def read_checkpoint_entries(paths: PathsLike) -> dict[str, TensorEntry]:
-    """Every tensor of safetensors files (a file, a list of files or a
-    directory of ``*.safetensors``) by name, from their headers alone."""
-    return _read_entries(_resolve_paths(paths))
-
-
-def _shard_families(entries: dict[str, TensorEntry]) -> dict[str, dict[int, TensorEntry]]:
-    """The shard families by prefix.  A shard index written with leading zeros
-    (``x.shard_01.weight``) is a ValueError naming the file and the tensor."""
-    families: dict[str, dict[int, TensorEntry]] = {}
-    for name, entry in entries.items():
-        match = SHARD_NAME.match(name)
-        if match:
-            family = families.setdefault(match["prefix"], {})
-            index = int(match["index"])
-            if match["index"] != str(index):
-                raise ValueError(
-                    f"{entry.path}: tensor {name!r}: shard index {match['index']!r} has leading "
-                    f"zeros; shard {index} of {match['prefix']!r} must be named "
-                    f"'{match['prefix']}.shard_{index}.weight'")
-            if index in family:
-                raise ValueError(f"{entry.path}: {name!r} and {family[index].name!r} "
-                                 f"({family[index].path}) are both shard {index}")
-            family[index] = entry
-    return families
-
-
-def _select(entries, families, tensor, files) -> tuple[str, list[TensorEntry], str]:
-    """The chosen table: its name, its shards in row order, its scale tensor's name."""
-    where = ", ".join(str(f) for f in files)
-    if tensor is None:
-        in_family = {e.name for family in families.values() for e in family.values()}
-        candidates = [f"{p}.shard_*" for p in sorted(families)] + sorted(
-            name for name, e in entries.items() if len(e.shape) == 2 and name not in in_family)
-        if len(candidates) != 1:
-            raise ValueError(f"{where}: {len(candidates)} candidate tables {candidates}; "
-                             "pass tensor= to choose one")
-        tensor = candidates[0].removesuffix(".shard_*")
-    if tensor in families and tensor in entries:
-        raise ValueError(f"{where}: {tensor!r} names both a tensor and a shard family")
-    if tensor in families:
-        family = families[tensor]
-        indices = sorted(family)
-        missing = next((i for i, index in enumerate(indices) if index != i), None)
-        if missing is not None:
-            shown = indices if len(indices) <= 20 else [*indices[:20], "..."]
-            raise ValueError(f"{where}: shard gap in {tensor!r}: shard {missing} is missing "
-                             f"(found shards {shown})")
-        return tensor, [family[i] for i in range(len(family))], f"{tensor}.weight_scale"
-    if tensor in entries:
-        # One shard of a family is scaled by the family's scale.
-        shard = SHARD_NAME.match(tensor)
-        return tensor, [entries[tensor]], (f"{shard['prefix']}.weight_scale" if shard
-                                           else f"{tensor}_scale")
-    raise ValueError(f"{where}: no tensor or shard family named {tensor!r}")
-
-
-def _check_shards(name: str, shards: list[TensorEntry]) -> None:
-    first = shards[0]
-    for shard in shards:
-        if len(shard.shape) != 2:
-            raise ValueError(f"{shard.path}: tensor {shard.name!r} of {name!r} is not 2-D "
-                             f"(shape {list(shard.shape)})")
-        if shard.dtype != first.dtype or shard.shape[1] != first.shape[1]:
-            raise ValueError(
-                f"{shard.path}: tensor {shard.name!r} is {shard.dtype} {list(shard.shape)}, but "
-                f"{first.name!r} in {first.path} is {first.dtype} {list(first.shape)}: shards of "
-                "one table need the same dtype and width")
-    for shard in shards[1:-1]:
-        if shard.shape[0] != first.shape[0]:
-            raise ValueError(
-                f"{shard.path}: tensor {shard.name!r} has {shard.shape[0]} rows, but "
-                f"{first.name!r} has {first.shape[0]}: every shard but the last has the same rows")
-    last = shards[-1]
-    if len(shards) > 1 and last.shape[0] > first.shape[0]:
-        raise ValueError(f"{last.path}: last shard {last.name!r} has {last.shape[0]} rows, more "
-                         f"than {first.name!r} ({first.shape[0]})")
-    if first.dtype not in BY_SAFETENSORS_DTYPE:
-        raise ValueError(f"{first.path}: tensor {first.name!r}: dtype {first.dtype} is not a "
-                         f"supported row format ({', '.join(BY_SAFETENSORS_DTYPE)})")
-    if first.shape[1] == 0:
-        raise ValueError(f"{first.path}: tensor {first.name!r} has rows of no values")
-    _check_row_bytes(f"{first.path}: tensor {first.name!r}",
-                     BY_SAFETENSORS_DTYPE[first.dtype].row_bytes(first.shape[1]))
-
-
-def _check_row_bytes(tensor: str, row_bytes: int) -> None:
-    if row_bytes > MAX_ROW_BYTES:
-        raise ValueError(f"{tensor} has rows of {row_bytes} bytes, more than {MAX_ROW_BYTES}")
-
-
-def _read_scale(entry: TensorEntry, given: float | None) -> float:
-    """The value of a scale tensor; `given`, a caller's scale, must agree with
-    it once rounded to the tensor's dtype."""
-    if entry.dtype not in SCALE_DTYPES or entry.nbytes != SCALE_DTYPES[entry.dtype].itemsize:
-        raise ValueError(f"{entry.path}: scale tensor {entry.name!r} must hold one F32, F16 or "
-                         f"BF16 value, not {entry.dtype} {list(entry.shape)}")
-    with open_regular_binary(entry.path) as f:
-        f.seek(entry.offset)
-        raw = bytearray(f.read(entry.nbytes))
-    value = torch.frombuffer(raw, dtype=SCALE_DTYPES[entry.dtype]).item()
-    if given is not None and torch.tensor(given, dtype=SCALE_DTYPES[entry.dtype]).item() != value:
-        raise ValueError(f"{entry.path}: {entry.name!r} is {value}, but scale={given} was given")
-    return value
-
-
 class Table:
     """A table whose rows stay in their files, read by ``torch.ops.ple`` operators.
 
-    Open one with :meth:`from_safetensors` or :meth:`from_gguf`.  ``handle``
-    is the int the operators take.  Close it (or use it as a context manager)
-    to unmap its files.
+    Open one with :meth:`from_safetensors` or :meth:`from_gguf`; nothing of
+    its rows is read until they are gathered.  Close it (or use it as a
+    context manager) to unmap its files; a table that is dropped closes too.
+
+    Attributes:
+        name: the tensor's name, or a shard family's prefix.
+        num_rows: rows of the table, every shard together.
+        cols: values in a row.
+        format: the row format's name (a key of ``ple.FORMATS``: ``"f32"``,
+            ``"fp8_e4m3fn"``, ``"q4_k"``, ...).
+        row_format: that format (``ple.formats.RowFormat``): how the bytes of
+            a row become values.
+        row_bytes: bytes of one row in the files, and in the tiers.
+        scale: what the values of fp8/u8/i8 rows are multiplied by (1.0 for
+            the other formats).
+        shard_rows: the rows of each shard, in row order (one entry for a
+            single tensor).
+        paths: the files the shards are in, each once, in shard order.
+        handle: the int the operators take (``torch.ops.ple.disk_gather(ids,
+            table.handle)``): an int, so that compiled code and captured
+            CUDA graphs can hold it; a ValueError once the table is closed.
+        dtype: what ``disk_gather`` returns when no dtype is asked for.
+        config: the ``ple.GatherConfig`` of its gathers; assign a new one to
+            change them from the next call.
+        tiers: the rows kept in device and host memory (``ple.tiers.Tiers``,
+            made by :meth:`place`), or None.
+        resident_range: ``(begin, end)``: rows ``[begin, end)`` are in the
+            tiers, the others are read from the files; ``(0, 0)`` without
+            tiers.
+        COUNTERS: what :meth:`stats` returns, name to meaning (``ple.COUNTERS``).
     """
+
+    COUNTERS = COUNTERS
 
     def __init__(self, name: str, shards: list[TensorEntry], fmt: RowFormat, scale: float,
                  config: GatherConfig):
+        """Maps ``shards`` (checked by the caller) as one table; use
+        :meth:`from_safetensors` or :meth:`from_gguf`, which choose them."""
         self.name = name
         self.format = fmt.name
         self.row_format = fmt
@@ -218,8 +109,9 @@ class Table:
         self.paths = list(dict.fromkeys(s.path for s in shards))
         file_index = {path: i for i, path in enumerate(self.paths)}
         self._staging: dict[tuple[int, int], StreamStaging] = {}
-        self.placement: Placement | None = None
-        self._retired_placements: list[Placement] = []
+        self.tiers: Tiers | None = None
+        # Tiers replaced while a CUDA graph still reads them: freed at close.
+        self._retired_tiers: list[Tiers] = []
         self._handle = native.open_table(
             [str(p) for p in self.paths], [file_index[s.path] for s in shards],
             [s.offset for s in shards], self.shard_rows, self.row_bytes)
@@ -240,17 +132,9 @@ class Table:
         ``scale``: multiplies fp8/u8/i8 values when the files hold no
         ``<prefix>.weight_scale`` / ``<tensor>_scale`` tensor.
         """
-        files = _resolve_paths(paths)
-        entries = _read_entries(files)
-        name, shards, scale_name = _select(entries, _shard_families(entries), tensor, files)
-        _check_shards(name, shards)
-        fmt = BY_SAFETENSORS_DTYPE[shards[0].dtype]
-        if not fmt.scaled and (scale is not None or scale_name in entries):
-            raise ValueError(f"{shards[0].path}: {name!r} holds {fmt.name} rows, which are not "
-                             "scaled; scales apply to fp8_e4m3fn, u8 and i8 rows")
-        file_scale = _read_scale(entries[scale_name], scale) if scale_name in entries else None
-        resolved = file_scale if file_scale is not None else 1.0 if scale is None else float(scale)
-        return cls(name, shards, fmt, resolved, config or GatherConfig())
+        chosen = select_table(paths, tensor, scale)
+        return cls(chosen.name, chosen.shards, chosen.row_format, chosen.scale,
+                   config or GatherConfig())
 
     @classmethod
     def from_gguf(cls, path: str | os.PathLike, tensor: str,
@@ -277,11 +161,12 @@ class Table:
         if cols == 0:
             raise ValueError(f"{path}: tensor {tensor!r}: a row of {cols} values is not a whole "
                              f"number of {entry.dtype} blocks of {fmt.block_size}")
-        _check_row_bytes(f"{path}: tensor {tensor!r}", fmt.row_bytes(cols))  # only with no rows
+        check_row_bytes(f"{path}: tensor {tensor!r}", fmt.row_bytes(cols))  # only with no rows
         return cls(tensor, [entry], fmt, 1.0, config or GatherConfig())
 
     @property
     def handle(self) -> int:
+        """The int the operators take; a ValueError once the table is closed."""
         if self._handle is None:
             # Under torch.compile(fullgraph=True) dynamo reports this as an
             # "Observed exception" (Unsupported) that quotes this message.
@@ -295,6 +180,10 @@ class Table:
 
     @property
     def config(self) -> GatherConfig:
+        """The settings of this table's gathers; assigning a ``GatherConfig``
+        applies it from the next call (a TypeError for anything else; a
+        row cache budget that cannot be had is a MemoryError, and the old
+        config stays)."""
         return self._config
 
     @config.setter
@@ -305,14 +194,13 @@ class Table:
         self._config = config  # only once the native side took it
 
     def _push_config(self, c: GatherConfig) -> None:
-        native.configure(self.handle, c.policy, c.prefetch_window_kib * 1024, c.threads,
-                         c.row_cache_mib << 20)
+        native.configure(self.handle, *c._native_args())
 
     @property
     def resident_range(self) -> tuple[int, int]:
         """``(begin, end)``: rows ``[begin, end)`` are in the device and host
         tiers (``(0, 0)`` without tiers)."""
-        return self.placement.resident_range if self.placement is not None else (0, 0)
+        return self.tiers.resident_range if self.tiers is not None else (0, 0)
 
     def place(self, device_rows: int = 0, host_rows: int = 0, device=None,
               progress: Callable[[int, int], None] | None = None, *, first_row: int = 0) -> None:
@@ -342,20 +230,22 @@ class Table:
                 raise RuntimeError("ple: device_rows needs a CUDA device, and none is available")
             if device.index is None:
                 device = torch.device("cuda", torch.cuda.current_device())
-        self._retire_placement()
+        self._retire_tiers()
         if device_rows or host_rows:
             # Read past the row cache: these rows are about to be resident, and
             # would only push rows the cache should serve out of it.
-            self.placement = Placement(lambda ids, out: native.read_for_tiers(self.handle, ids, out),
-                                       self.row_bytes, device_rows, host_rows,
-                                       device if device_rows else None, first_row, progress)
+            self.tiers = Tiers(lambda ids, out: native.read_for_tiers(self.handle, ids, out),
+                               self.row_bytes, device_rows, host_rows,
+                               device if device_rows else None, first_row, progress)
 
-    def _retire_placement(self) -> None:
-        old, self.placement = self.placement, None
+    def _retire_tiers(self) -> None:
+        """Drops the tiers: frees them, or keeps them until close when a CUDA
+        graph captured them."""
+        old, self.tiers = self.tiers, None
         if old is None:
             return
         if old.captured:
-            self._retired_placements.append(old)
+            self._retired_tiers.append(old)
             return
         for staging in self._staging.values():
             staging.stream.synchronize()
@@ -382,8 +272,8 @@ class Table:
                              f"{list(shape)}, not {out.dtype} {list(out.shape)} on {out.device}")
         flat = ids.reshape(-1).contiguous()
         native.gather(self.handle, flat, out, *self.resident_range)
-        if self.placement is not None:
-            self.placement.fill_cpu(flat, out.view(-1, self.row_bytes))
+        if self.tiers is not None:
+            self.tiers.fill_cpu(flat, out.view(-1, self.row_bytes))
         return out
 
     def prefetch(self, ids) -> None:
@@ -410,22 +300,25 @@ class Table:
     def pinned_bytes(self) -> int:
         """Page-locked host memory held for the CUDA operator (all streams) and
         the host tier."""
-        placements = [p for p in (self.placement, *self._retired_placements) if p is not None]
+        tiers = [t for t in (self.tiers, *self._retired_tiers) if t is not None]
         return (sum(staging.nbytes() for staging in self._staging.values())
-                + sum(p.nbytes_pinned() for p in placements))
+                + sum(t.nbytes_pinned() for t in tiers))
 
     def stats(self) -> dict[str, int]:
-        """Cumulative counters of every gather on this table (README "Counters");
-        reading them waits for the CUDA gathers already enqueued."""
-        stats = dict(native.stats(self.handle))
-        hits = (0, 0) if self.placement is None else self.placement.hits()
-        stats["device_tier_hits"], stats["host_tier_hits"] = hits
-        return stats
+        """Cumulative counters of every gather on this table since it was
+        opened or ``reset_stats()``: the keys of ``ple.COUNTERS``, in its
+        order (which says what each counts).  Reading them waits for the CUDA
+        gathers already enqueued (their tier counters live on the GPU)."""
+        values = dict(native.stats(self.handle))
+        hits = (0, 0) if self.tiers is None else self.tiers.hits()
+        values["device_tier_hits"], values["host_tier_hits"] = hits
+        return {name: values[name] for name in COUNTERS}
 
     def reset_stats(self) -> None:
+        """Sets every counter of :meth:`stats` to 0."""
         native.reset_stats(self.handle)
-        if self.placement is not None:
-            self.placement.reset_hits()
+        if self.tiers is not None:
+            self.tiers.reset_hits()
 
     def drop_page_cache(self) -> None:
         """Evicts this table's pages from the page cache (for cold benchmarks);
@@ -447,18 +340,18 @@ class Table:
             if handle is None:
                 return
             if native.forked_after_cuda() or getattr(torch.cuda, "_is_in_bad_fork", bool)():
-                _left_to_the_parent.append((dict(self._staging), self.placement,
-                                            list(self._retired_placements)))
+                _left_to_the_parent.append((dict(self._staging), self.tiers,
+                                            list(self._retired_tiers)))
             else:
                 for staging in self._staging.values():
                     staging.stream.synchronize()
                     staging.free()
-                for placement in (self.placement, *self._retired_placements):
-                    if placement is not None:
-                        placement.free()
+                for tiers in (self.tiers, *self._retired_tiers):
+                    if tiers is not None:
+                        tiers.free()
             self._staging.clear()
-            self.placement = None
-            self._retired_placements = []
+            self.tiers = None
+            self._retired_tiers = []
             _open_tables.pop(handle, None)
             native.close_table(handle)  # without the GIL: it waits for the prefetch thread
             self._handle = None

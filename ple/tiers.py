@@ -1,11 +1,13 @@
-"""Device and host tiers: a run of a table's rows kept in memory.
+"""A table's tiers: a run of its rows kept in device and host memory.
 
-``Table.place(device_rows, host_rows, device, first_row=f)`` keeps rows
-``[f, f + device_rows)`` on a GPU and the next ``host_rows`` rows in host
-memory (page-locked when CUDA is there, so that kernels read it over UVA).
+``Table.place(device_rows, host_rows, device, first_row=f)`` makes a
+table's ``Tiers`` (``table.tiers``): rows ``[f, f + device_rows)`` on a GPU
+(the device tier) and the next ``host_rows`` rows in host memory (the host
+tier; page-locked when CUDA is there, so that kernels read it over UVA).
 Rows are kept as the bytes of the file, packed as on disk; only the rows a
-call gathers are decoded.  The native gather skips the ids of
-``resident_range``; the operator reads them from here.
+call gathers are decoded.  The rows the tiers hold are the resident rows,
+``resident_range``: the native gather skips them, and the operator reads
+them from here.
 """
 
 from __future__ import annotations
@@ -22,8 +24,20 @@ from .staging import PinnedBuffer
 LOAD_CHUNK_BYTES = 64 << 20
 
 
-class Placement:
-    """The rows of one table held in device and host memory."""
+class Tiers:
+    """The device and host tiers of one table.
+
+    Attributes:
+        first_row: the first resident row.
+        device_rows, host_rows: the rows of each tier (the device tier's
+            first).
+        device: the GPU of the device tier (None without one).
+        device_table, host_table: uint8 ``[rows, row_bytes]``, each tier's
+            rows as in the files (None for a tier of no rows).
+        row_bytes: bytes of a row.
+        captured: whether a CUDA graph reads the tiers (then they live until
+            the table closes).
+    """
 
     def __init__(self, read_rows: Callable[[torch.Tensor, torch.Tensor], None], row_bytes: int,
                  device_rows: int, host_rows: int, device: torch.device | None,
@@ -106,7 +120,7 @@ class Placement:
             self._cpu_hits[1] += host_hits
 
     def check_device(self, device: torch.device, table_name: str) -> None:
-        """Raises unless CUDA ids on ``device`` can read this placement."""
+        """Raises unless CUDA ids on ``device`` can read these tiers."""
         if self.device_rows and self.device != device:
             # Another GPU's memory is not readable here without peer access.
             raise ValueError(f"ple.disk_gather: table {table_name!r} keeps its device tier on "

@@ -55,3 +55,56 @@ def test_the_largest_values_are_taken_by_a_table(tmp_path):
             assert torch.equal(torch.ops.ple.disk_gather(torch.tensor([9, 0, 3]), table.handle),
                                values[[9, 0, 3]])
         GatherConfig(row_cache_mib=MAX_ROW_CACHE_MIB)  # in range; the table's memory may not be
+
+
+# One definition --------------------------------------------------------------------------
+
+def test_fields_defaults_units_and_ranges_are_the_native_parts():
+    """GatherConfig's fields, defaults and ranges and the policies come from
+    kernels/gather_config.h (native.CONFIG_FIELDS); nothing repeats them."""
+    import dataclasses
+    import os
+
+    from ple.config import FIELDS, POLICIES, RANGES
+    from ple.kernels.native import native
+
+    by_name = {entry["name"]: entry for entry in native.CONFIG_FIELDS}
+    assert [f.name for f in dataclasses.fields(GatherConfig)] == list(by_name) == list(FIELDS)
+    assert POLICIES == ple.POLICIES == native.POLICIES == by_name["policy"]["choices"]
+    assert POLICIES == ("window", "distance", "all", "none")
+    default = GatherConfig()
+    assert default.policy == by_name["policy"]["default"] == POLICIES[0]
+    assert default.prefetch_window_kib == by_name["prefetch_window_kib"]["default"] == 4096
+    assert default.row_cache_mib == by_name["row_cache_mib"]["default"] == 0
+    assert default.threads == min(by_name["threads"]["default"], os.cpu_count() or 1)
+    assert by_name["threads"]["default"] == 16
+    assert RANGES == {name: (e["least"], e["most"]) for name, e in by_name.items() if name != "policy"}
+    assert MAX_THREADS == native.MAX_THREADS == by_name["threads"]["most"]
+    assert (by_name["prefetch_window_kib"]["unit"], by_name["prefetch_window_kib"]["unit_bytes"]) == ("KiB", 1024)
+    assert (by_name["row_cache_mib"]["unit"], by_name["row_cache_mib"]["unit_bytes"]) == ("MiB", 1 << 20)
+    assert by_name["threads"]["unit_bytes"] == 0
+    config = GatherConfig("distance", 7, 3, 5)
+    assert config._native_args() == ("distance", 7 << 10, 3, 5 << 20)
+
+
+def test_the_native_side_refuses_what_gather_config_refuses(tmp_path):
+    """native.configure (bytes) checks the same ranges: the largest values
+    GatherConfig allows are taken, one byte more is a ValueError."""
+    from ple.kernels.native import native
+
+    f = tmp_path / "t.safetensors"
+    save_file({"t": torch.zeros(10, 4)}, str(f))
+    with ple.Table.from_safetensors(f) as table:
+        for policy in ple.POLICIES:
+            native.configure(table.handle, *GatherConfig(policy, MAX_PREFETCH_WINDOW_KIB,
+                                                         MAX_THREADS)._native_args())
+        with pytest.raises(ValueError, match="unknown prefetch policy 'sometimes'"):
+            native.configure(table.handle, "sometimes", 0, 1, 0)
+        with pytest.raises(ValueError, match="window bytes must be at most"):
+            native.configure(table.handle, "window", (MAX_PREFETCH_WINDOW_KIB << 10) + 1, 1, 0)
+        with pytest.raises(ValueError, match="row cache bytes must be at most"):
+            native.configure(table.handle, "window", 0, 1, (MAX_ROW_CACHE_MIB << 20) + 1)
+        with pytest.raises(ValueError, match="threads must be at least 1"):
+            native.configure(table.handle, "window", 0, 0, 0)
+        table.config = GatherConfig()
+        assert torch.equal(torch.ops.ple.disk_gather(torch.tensor([3]), table.handle), torch.zeros(1, 4))

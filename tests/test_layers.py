@@ -387,7 +387,7 @@ def test_cuda_compiled_with_cudagraphs_equals_eager(placed):
             assert_same_bits(got, want)
     assert not counters["graph_break"]
     assert counters["inductor"]["cudagraph_skips"] == 0
-    assert all(hits > 0 for hits in ngram_layer.table.placement.hits())
+    assert all(hits > 0 for hits in ngram_layer.table.tiers.hits())
 
 
 @cuda

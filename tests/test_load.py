@@ -2,7 +2,7 @@
 calls on one table without growth in memory or leftover files and mappings.
 
 (a) 16 Python threads gather random ids (1-3000 per call) for
-``PLE_LOAD_SECONDS`` seconds (default 3; the faults issue's full form is
+``PLE_LOAD_SECONDS`` seconds (default 3; the long form runs
 30 s: ``PLE_LOAD_SECONDS=30 pytest tests/test_load.py``), from one table and
 then from 4 tables at once (rows of 160 and 17 bytes, each table with its own
 policy, window and threads); every result must equal the reference byte for
