@@ -370,3 +370,24 @@ def test_loading_a_1gib_table_stays_out_of_memory(tmp_path):
     assert peaks["ple"]["peak"] < size / 8, peaks
     assert peaks["transformers"]["loaded"] > size * 0.95, peaks
     assert_same_bits(torch.load(tmp_path / "ple.pt"), torch.load(tmp_path / "transformers.pt"))
+
+
+@pytest.mark.slow
+def test_bench_tool_runs_its_arms(tmp_path):
+    """tools/bench_transformers.py on a small checkpoint: the ple and
+    in-memory arms generate the same tokens, and the checkpoint is reused
+    (two children that import torch and transformers: 20 s or more)."""
+    tool = REPO / "tools" / "bench_transformers.py"
+    args = [sys.executable, str(tool), "--dir", str(tmp_path / "ckpt"), "--table-gib", "0.01",
+            "--arms", "ple,in-memory", "--prompt", "4", "--new-tokens", "2",
+            "--json", str(tmp_path / "out.json")]
+    run = subprocess.run(args, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout + run.stderr[-3000:]
+    results = {r["arm"]: r for r in json.loads((tmp_path / "out.json").read_text())["results"]}
+    assert set(results) == {"ple", "in-memory"}
+    assert results["ple"]["tokens"] == results["in-memory"]["tokens"]
+    assert results["ple"]["gathered_rows"] > 0 and len(results["ple"]["tokens"]) == 3
+    assert "ple " in run.stdout and "in-memory " in run.stdout
+    bench = load_module("bench_transformers_for_reuse", tool)
+    info = bench.ensure_checkpoint(tmp_path / "ckpt", 0.01 * 2**30, torch.bfloat16)
+    assert info == json.loads((tmp_path / "ckpt" / bench.INFO).read_text())
