@@ -3,7 +3,9 @@
     pip install --no-build-isolation .
 """
 
+import os
 import sys
+import time
 
 from setuptools import setup
 
@@ -25,9 +27,26 @@ from torch.utils.cpp_extension import BuildExtension, CppExtension  # noqa: E402
 # kernels/native.py compiles the same files when the built module does not fit.
 SOURCES = sources("kernels")
 
+
+class BuildNative(BuildExtension.with_options(use_ninja=True)):
+    """torch's extension builder, saying what it builds and how long it took
+    (pip shows a build's output with -v only)."""
+
+    def build_extensions(self):
+        jobs = os.environ.get("MAX_JOBS") or os.cpu_count()
+        print(f"ple: building the native gather for torch {torch.__version__} "
+              f"({len(SOURCES)} C++ files, {jobs} parallel jobs; about a minute on 2 cores)",
+              file=sys.stderr, flush=True)
+        start = time.monotonic()
+        super().build_extensions()
+        print(f"ple: native gather built in {time.monotonic() - start:.0f} s",
+              file=sys.stderr, flush=True)
+
+
 setup(
-    packages=["ple", "ple.integrations", "ple.kernels", "ple.ops", "ple.layers"],
-    package_dir={"ple": "ple", "ple.kernels": "kernels", "ple.ops": "ops", "ple.layers": "layers"},
+    packages=["ple", "ple.integrations", "ple.kernels", "ple.ops", "ple.layers", "ple.tools"],
+    package_dir={"ple": "ple", "ple.kernels": "kernels", "ple.ops": "ops", "ple.layers": "layers",
+                 "ple.tools": "tools"},
     # The sources travel with the package: ple compiles them at import when
     # the built module does not match the running torch.
     package_data={"ple.kernels": ["*.cpp", "*.h"]},
@@ -39,5 +58,5 @@ setup(
             libraries=list(LIBRARIES),
         )
     ],
-    cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
+    cmdclass={"build_ext": BuildNative},
 )

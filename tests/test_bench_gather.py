@@ -1,7 +1,10 @@
-"""tools/bench_gather.py: the gather benchmark runs end to end on a small
-table (--quick), reports every arm with its fields, and every gathering arm
-returns the same bytes; under a memory cgroup it runs each arm in a child, and
-without the rights to make a cgroup it says so and exits non-zero."""
+"""tools/bench_gather.py (ple-bench-gather, with tools/gather_arms.py,
+table_layout.py, odirect.py, cgroup.py and report.py): the gather benchmark
+runs end to end on a small table (--quick), reports every arm with its fields
+and ratios between arms (no pass/fail goals), and every gathering arm returns
+the same bytes; under a memory cgroup it runs each arm in a child, and without
+the rights to make a cgroup it says so and exits non-zero.  The layout the
+tool reads from ple.Table puts each row where the gather finds it."""
 
 import json
 import os
@@ -9,7 +12,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
+import torch
+
+import ple
+from ple.tools.make_table import PREFIX
+from ple.tools.table_layout import PAGE, Layout
 
 ROOT = Path(__file__).resolve().parents[1]
 TOOL = ROOT / "tools" / "bench_gather.py"
@@ -53,6 +62,47 @@ def test_quick_reports_every_arm_with_its_fields(quick):
         assert r["unique_pages_per_call"] > 0 and len(r["per_call"]) == 4, key
     assert doc["failed_arms"] == []
     assert "window:4096" in proc.stdout and "sha256" in proc.stdout
+
+
+def test_quick_reports_ratios_and_no_goals(quick):
+    proc, doc = quick
+    assert "goals" not in doc
+    assert "holds" not in proc.stdout and "FAILS" not in proc.stdout
+    assert "ratios of median times" in proc.stdout
+    ms = {(r["arm"], r["state"]): r["ms_median"] for r in doc["arms"]}
+    ratios = doc["ratios"]
+    assert ratios["reference"]["ceiling"] == "ceiling:32"
+    by_arm = {(a["arm"], a["state"]): a for a in ratios["arms"]}
+    assert sorted(by_arm) == sorted([(a, "cold") for a in GATHERING] + [(a, "warm") for a in GATHERING])
+    for arm in GATHERING:
+        cold, warm = by_arm[(arm, "cold")], by_arm[(arm, "warm")]
+        assert cold["time_over_ceiling"] == pytest.approx(ms[(arm, "cold")] / ms[("ceiling:32", "cold")])
+        assert warm["numpy_over_time"] == pytest.approx(ms[("numpy", "warm")] / ms[(arm, "warm")])
+        assert cold["time_over_all"] is None and warm["time_over_ceiling"] is None  # no limit; warm
+        if arm != "none":
+            assert cold["none_over_time"] == pytest.approx(ms[("none", "cold")] / ms[(arm, "cold")])
+    assert by_arm[("none", "cold")]["none_over_time"] is None
+
+
+def test_layout_puts_each_row_where_the_gather_finds_it(quick, bench_table):
+    """Layout.of(table) (the shards' files and offsets, from ple.Table and
+    the headers): the bytes at each row's offset are the row the gather returns."""
+    with ple.Table.from_safetensors(bench_table, PREFIX) as table:
+        layout = Layout.of(table)
+        assert layout.paths == table.paths and layout.shard_rows == table.shard_rows
+        assert layout.num_rows == table.num_rows and len(layout.shard_rows) == 8
+        ids = torch.cat([torch.tensor([0, table.num_rows - 1]),
+                         torch.randint(0, table.num_rows, (200,), generator=torch.Generator().manual_seed(0)),
+                         torch.tensor(layout.shard_starts[1:-1], dtype=torch.int64)])
+        gathered = table.gather_bytes(ids).numpy()
+    _, files, offsets = layout.locate(ids.numpy())
+    maps = [np.memmap(p, dtype=np.uint8, mode="r") for p in layout.paths]
+    read = np.stack([maps[f][o:o + layout.row_bytes] for f, o in zip(files, offsets)])
+    np.testing.assert_array_equal(read, gathered)
+    pages = layout.pages(ids.numpy())
+    assert len(pages) == len(set(((f << 40) | (o // PAGE)) for f, o in zip(files, offsets))
+                              | set(((f << 40) | ((o + layout.row_bytes - 1) // PAGE))
+                                    for f, o in zip(files, offsets)))
 
 
 def test_quick_gathering_arms_return_the_same_bytes(quick):

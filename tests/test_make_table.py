@@ -1,10 +1,11 @@
-"""tools/make_table.ensure_table reuses a table only when it was written,
-to the end, with the same arguments."""
+"""tools/make_table.ensure_table (ple.tools.make_table) reuses a table only
+when it was written, to the end, with the same arguments, and says so;
+write_table shows a progress bar when asked."""
 
 import pytest
 
 import ple
-from helpers import REPO, load_module
+import ple.tools.make_table
 
 ARGUMENTS = dict(rows=100, row_bytes=16, shards=4, files=2, seed=0)
 
@@ -12,8 +13,8 @@ ARGUMENTS = dict(rows=100, row_bytes=16, shards=4, files=2, seed=0)
 @pytest.fixture
 def make_table(monkeypatch):
     """The tool's module, with write_table counting its calls in ``writes``."""
-    module = load_module("make_table", REPO / "tools" / "make_table.py")
-    module.writes = []
+    module = ple.tools.make_table
+    monkeypatch.setattr(module, "writes", [], raising=False)
     write_table = module.write_table
 
     def counted(directory, **layout):
@@ -24,10 +25,25 @@ def make_table(monkeypatch):
     return module
 
 
-def test_the_same_arguments_reuse_the_table(make_table, tmp_path):
+def test_the_same_arguments_reuse_the_table(make_table, tmp_path, capsys):
     make_table.ensure_table(tmp_path, **ARGUMENTS)
+    assert "writing a table of 100 rows" in capsys.readouterr().err
     make_table.ensure_table(tmp_path, **ARGUMENTS)
     assert make_table.writes == [ARGUMENTS]
+    assert f"reusing the table in {tmp_path}" in capsys.readouterr().err
+
+
+def test_write_table_progress(tmp_path, capsys):
+    """With progress=True a tqdm bar counts the bytes; without one (stderr is
+    not a terminal under pytest) a line per file says what was written."""
+    ple.tools.make_table.write_table(tmp_path / "bar", rows=64, row_bytes=16, shards=2, files=2,
+                                     progress=True)
+    bar = capsys.readouterr().err
+    assert "writing bar" in bar and "1.00k/1.00k" in bar and "[2/2]" in bar
+    ple.tools.make_table.write_table(tmp_path / "lines", rows=64, row_bytes=16, shards=2, files=2)
+    lines = capsys.readouterr().err.splitlines()
+    assert [line.split()[1] for line in lines] == ["model-00001-of-00002.safetensors",
+                                                   "model-00002-of-00002.safetensors"]
 
 
 @pytest.mark.parametrize("change", [{"shards": 1, "files": 1}, {"seed": 1}, {"rows": 99}])

@@ -1,8 +1,8 @@
-"""GPU benchmark of torch.ops.ple.disk_gather: 160 B FP8 rows decoded to
+"""Benchmarks torch.ops.ple.disk_gather on a GPU: 160 B FP8 rows decoded to
 bfloat16, for a decode step (16 rows) and a 2,048-token prefill chunk of 16
 heads (32,768 rows), warm and cold, and with the table placed in tiers.
 
-    python tools/bench_gpu.py [--mib 1024] [--calls 50]
+    ple-bench-gpu [--mib 1024] [--calls 50]     (or python tools/bench_gpu.py ...)
 
 Per case it prints the median time per call of the operator in eager mode
 (staged rows read by the kernel over UVA, and copied to the device first),
@@ -21,16 +21,10 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import numpy as np
-import torch
-
-import ple
-from make_table import PREFIX, ensure_table
-from ple.kernels.decode_triton import decode_rows_triton
-from ple.ops import disk_gather_cuda
-from ple.safetensors_header import read_header
-from ple.staging import PinnedBuffer
+if TYPE_CHECKING:  # for annotations; imported after parsing
+    import torch
 
 ROW_BYTES = 160
 SIZES = (16, 32768)
@@ -38,6 +32,8 @@ SIZES = (16, 32768)
 
 def median_us(fn, calls: int, before=None) -> float:
     """Median wall time of fn() followed by a device synchronize, in us."""
+    import torch
+
     times = []
     for i in range(calls):
         if before is not None:
@@ -52,6 +48,8 @@ def median_us(fn, calls: int, before=None) -> float:
 
 def device_us(fn, calls: int) -> float:
     """Median device time of fn() by CUDA events, in us."""
+    import torch
+
     times = []
     for _ in range(calls):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -82,6 +80,8 @@ TIER_SPLITS = {"disk": (0, 0), "thirds": (1 / 3, 1 / 3), "host": (0, 1), "device
 def tier_rows(table, calls: int, gen: torch.Generator, device) -> list[dict]:
     """Median eager time of the operator (warm page cache) with each split
     of TIER_SPLITS placed, for each request size; the output must not change."""
+    import torch
+
     results = []
     num_rows = table.num_rows
     requests = {n: [torch.randint(0, num_rows, (n,), generator=gen).to(device) for _ in range(calls)]
@@ -108,25 +108,47 @@ def tier_rows(table, calls: int, gen: torch.Generator, device) -> list[dict]:
     return results
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--table", type=Path, default=Path("data/gpu_bench_table"))
-    parser.add_argument("--mib", type=float, default=1024)
-    parser.add_argument("--calls", type=int, default=50, help="timed calls per measurement")
-    parser.add_argument("--cold-calls", type=int, default=8)
-    args = parser.parse_args()
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        epilog=__doc__.split("\n\n", 2)[2], formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--table", type=Path, default=Path("data/gpu_bench_table"),
+                        help="the table's directory; written there unless it already holds a "
+                        "table of this size (default data/gpu_bench_table)")
+    parser.add_argument("--mib", type=float, default=1024, help="table size in MiB (default 1024)")
+    parser.add_argument("--calls", type=int, default=50,
+                        help="timed calls per warm measurement (default 50)")
+    parser.add_argument("--cold-calls", type=int, default=8,
+                        help="timed calls per cold measurement, each after the table's pages "
+                        "are dropped (default 8)")
+    return parser.parse_args(argv)
 
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    import numpy as np
+    import torch
+
+    import ple
+    from ple.kernels.decode_triton import decode_rows_triton
+    from ple.ops import disk_gather_cuda
+    from ple.staging import PinnedBuffer
+    from ple.tools.make_table import PREFIX, ensure_table
+    from ple.tools.table_layout import shard_entries
+
+    if not torch.cuda.is_available():
+        print("ple-bench-gpu needs a CUDA device, and torch sees none", file=sys.stderr)
+        return 2
     num_rows = int(args.mib * 2**20) // ROW_BYTES
     ensure_table(args.table, rows=num_rows, row_bytes=ROW_BYTES, shards=1, files=1)
-    path = next(args.table.glob("*.safetensors"))
-    entry = read_header(path)[f"{PREFIX}.shard_0.weight"]
-    memmap = np.memmap(path, dtype=np.uint8, mode="r", offset=entry.offset,
-                       shape=(num_rows, ROW_BYTES))
     device = torch.device("cuda")
-    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; table {path} "
-          f"({num_rows:,} rows of {ROW_BYTES} B)", file=sys.stderr)
-
     with ple.Table.from_safetensors(args.table, PREFIX) as table:
+        (shard,) = shard_entries(table)
+        path = shard.path
+        memmap = np.memmap(path, dtype=np.uint8, mode="r", offset=shard.offset,
+                           shape=(num_rows, ROW_BYTES))
+        print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; table {path} "
+              f"({num_rows:,} rows of {ROW_BYTES} B)", file=sys.stderr)
         fmt, scale = table.row_format, table.scale
         gen = torch.Generator().manual_seed(0)
         results = []
@@ -213,7 +235,8 @@ def main() -> None:
               f"{r['place_s']:>8.1f} " + " ".join(f"{r[f'{n}_us']:>9.1f}" for n in SIZES))
     print(f"\npinned host-to-device copy: {h2d:.1f} GB/s; device-to-device copy: {d2d:.1f} GB/s "
           f"(ratio {d2d / h2d:.1f}); speedup = baseline / best eager")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -1,9 +1,9 @@
-"""What an n-gram PLE layer costs a serving loop on CPU: NGramEmbedding over a
-table on disk, steps of prefill or decode, cold, cold with the next step
-prefetched while this one computes, and warm.
+"""Measures what an n-gram PLE layer costs a serving loop on CPU: NGramEmbedding
+over a table on disk, in steps of prefill or decode, cold, cold with the next
+step prefetched while this one computes, and warm.
 
-    python tools/bench_layers.py [--table data/bench_table] [--tokens 2048]
-                                 [--steps 8] [--compute-ms 50]
+    ple-bench-layers [--table data/bench_table] [--tokens 2048] [--steps 8] [--compute-ms 50]
+                     (or python tools/bench_layers.py ...)
 
 Each step hashes ``--tokens`` random tokens (4 requests, 16 heads each) and
 gathers their rows.  ``forward ms`` is how long ``layer(...)`` blocks the
@@ -21,12 +21,11 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-
-from demo import disk_read_bytes
-from make_table import PREFIX, ensure_table
-from ple.layers import NGramEmbedding
+if TYPE_CHECKING:  # for annotations; imported after parsing
+    import torch
+    from ple.layers import NGramEmbedding
 
 VOCAB_SIZE = 262_144
 EOS_ID = 1
@@ -35,6 +34,8 @@ MODES = ("cold", "prefetch", "warm")
 
 
 def make_steps(tokens: int, steps: int, seed: int) -> list[tuple[torch.Tensor, ...]]:
+    import torch
+
     generator = torch.Generator().manual_seed(seed)
     batches = []
     for _ in range(steps):
@@ -46,6 +47,8 @@ def make_steps(tokens: int, steps: int, seed: int) -> list[tuple[torch.Tensor, .
 
 
 def run_mode(layer: NGramEmbedding, mode: str, steps, compute_ms: float) -> dict:
+    from ple.tools.demo import disk_read_bytes
+
     layer.table.reset_stats()
     if mode != "warm":
         layer.table.drop_page_cache()
@@ -65,17 +68,30 @@ def run_mode(layer: NGramEmbedding, mode: str, steps, compute_ms: float) -> dict
             "read_mib": (disk_read_bytes() - read0) / 2**20, "stats": stats}
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--table", type=Path, default=Path("data/bench_table"))
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        epilog=__doc__.split("\n\n", 2)[2], formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--table", type=Path, default=Path("data/bench_table"),
+                        help="the table's directory (default data/bench_table)")
     parser.add_argument("--table-gib", type=float, default=8.0,
-                        help="written when --table holds no table of this size (default 8)")
+                        help="table size in GiB, written when --table holds no table of this "
+                        "size (default 8)")
     parser.add_argument("--tokens", type=int, default=2048, help="tokens per step (default 2048)")
-    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=8, help="steps per mode (default 8)")
     parser.add_argument("--compute-ms", type=float, default=50.0,
-                        help="sleep after each forward, standing for the rest of the step")
-    parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args(argv)
+                        help="ms of sleep after each forward, standing for the rest of the "
+                        "model's step (default 50)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the tokens (default 0)")
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    import torch
+
+    from ple.layers import NGramEmbedding
+    from ple.tools.make_table import PREFIX, ensure_table
 
     row_bytes = 160
     num_rows = int(args.table_gib * 2**30) // row_bytes

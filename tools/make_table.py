@@ -1,8 +1,11 @@
-"""Writes a table of random FP8 E4M3FN rows as sharded safetensors files, the
-layout of the reference n-gram checkpoint: ``<prefix>.shard_{i}.weight`` and a
-``<prefix>.weight_scale`` scalar.
+"""Writes a table of random FP8 E4M3FN rows as sharded safetensors files, in
+the layout of the reference n-gram checkpoint.
 
-    python tools/make_table.py data/table --mib 256
+    ple-make-table data/table --mib 256     (or python tools/make_table.py ...)
+
+The files hold ``<prefix>.shard_{i}.weight`` (i = 0..S-1) and a
+``<prefix>.weight_scale`` scalar.  A directory that already holds a table
+written with the same arguments is reused, and the tool says so.
 """
 
 from __future__ import annotations
@@ -12,9 +15,10 @@ import json
 import os
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-from safetensors.torch import save_file
+if TYPE_CHECKING:  # for annotations; imported after parsing
+    import torch
 
 PREFIX = "ngram_embedding"
 SCALE = 0.0078125
@@ -22,37 +26,54 @@ SCALE = 0.0078125
 
 def random_fp8_rows(rows: int, row_bytes: int, generator: torch.Generator) -> torch.Tensor:
     """Random FP8 rows without NaN patterns (0x7f, 0xff), as real weights are."""
+    import torch
+
     raw = torch.randint(0, 256, (rows, row_bytes), dtype=torch.uint8, generator=generator)
     raw[(raw & 0x7F) == 0x7F] ^= 1
     return raw.view(torch.float8_e4m3fn)
 
 
 def write_table(directory: Path, *, rows: int, row_bytes: int = 160, shards: int = 8,
-                files: int = 4, seed: int = 0) -> list[Path]:
+                files: int = 4, seed: int = 0, progress: bool | None = None) -> list[Path]:
     """Writes `rows` rows in `shards` equal shards (the last one shorter) spread
-    over `files` files, prints progress, and fsyncs so the pages are clean (a
-    cold benchmark can then drop them).  Returns the files."""
+    over `files` files, and fsyncs so the pages are clean (a cold benchmark
+    can then drop them).  Returns the files.
+
+    `progress`: a progress bar on stderr of the bytes written, file by file
+    (tqdm's; None: when stderr is a terminal).  Without the bar, a line per
+    file says what was written."""
+    import torch
+    from safetensors.torch import save_file
+    from tqdm.auto import tqdm
+
     directory.mkdir(parents=True, exist_ok=True)
     generator = torch.Generator().manual_seed(seed)
     per_shard = -(-rows // shards)
     shard_ids = [i for i in range(shards) if i * per_shard < rows]
     paths = []
-    for f in range(files):
-        tensors = {}
-        for i in shard_ids[f::files]:
-            count = min(per_shard, rows - i * per_shard)
-            tensors[f"{PREFIX}.shard_{i}.weight"] = random_fp8_rows(count, row_bytes, generator)
-        if f == 0:
-            tensors[f"{PREFIX}.weight_scale"] = torch.tensor(SCALE, dtype=torch.float32)
-        if not tensors:
-            continue
-        path = directory / f"model-{f + 1:05d}-of-{files:05d}.safetensors"
-        save_file(tensors, str(path))
-        with open(path, "rb") as handle:
-            os.fsync(handle.fileno())
-        paths.append(path)
-        done = sum(t.numel() for t in tensors.values())
-        print(f"  wrote {path.name} ({done / 2**20:.0f} MiB) [{f + 1}/{files}]", file=sys.stderr)
+    show = sys.stderr.isatty() if progress is None else progress
+    with tqdm(total=rows * row_bytes, unit="B", unit_scale=True, unit_divisor=1024,
+              desc=f"writing {directory.name}", file=sys.stderr, disable=not show) as bar:
+        for f in range(files):
+            tensors = {}
+            for i in shard_ids[f::files]:
+                count = min(per_shard, rows - i * per_shard)
+                tensors[f"{PREFIX}.shard_{i}.weight"] = random_fp8_rows(count, row_bytes, generator)
+            if f == 0:
+                tensors[f"{PREFIX}.weight_scale"] = torch.tensor(SCALE, dtype=torch.float32)
+            if not tensors:
+                continue
+            path = directory / f"model-{f + 1:05d}-of-{files:05d}.safetensors"
+            save_file(tensors, str(path))
+            with open(path, "rb") as handle:
+                os.fsync(handle.fileno())
+            paths.append(path)
+            done = sum(t.numel() for t in tensors.values() if t.dim() == 2)
+            bar.set_postfix_str(f"{path.name} [{f + 1}/{files}]", refresh=False)
+            bar.update(done)
+            if not show:
+                print(f"  wrote {path.name} ({done / 2**20:.0f} MiB) [{f + 1}/{files}]",
+                      file=sys.stderr)
     return paths
 
 
@@ -68,6 +89,9 @@ def ensure_table(directory: Path, *, rows: int, row_bytes: int = 160, shards: in
     marker = directory / LAYOUT_FILE
     try:
         if json.loads(marker.read_text()) == layout:
+            print(f"reusing the table in {directory} ({rows:,} rows of {row_bytes} B, "
+                  f"{rows * row_bytes / 2**20:.0f} MiB, seed {seed}): it was written with "
+                  "these arguments", file=sys.stderr)
             return
     except (OSError, ValueError):
         pass
@@ -80,19 +104,31 @@ def ensure_table(directory: Path, *, rows: int, row_bytes: int = 160, shards: in
     marker.write_text(json.dumps(layout))
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("directory", type=Path)
-    parser.add_argument("--mib", type=float, default=256, help="table size (default 256)")
-    parser.add_argument("--row-bytes", type=int, default=160)
-    parser.add_argument("--shards", type=int, default=8)
-    parser.add_argument("--files", type=int, default=4)
-    parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args()
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        epilog=__doc__.split("\n\n", 2)[2],
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("directory", type=Path, help="where to write the table's files")
+    parser.add_argument("--mib", type=float, default=256,
+                        help="table size in MiB (default 256)")
+    parser.add_argument("--row-bytes", type=int, default=160,
+                        help="bytes (FP8 values) per row (default 160)")
+    parser.add_argument("--shards", type=int, default=8,
+                        help="shards the rows are split into (default 8)")
+    parser.add_argument("--files", type=int, default=4,
+                        help="files the shards are spread over (default 4)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the random rows (default 0)")
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
     rows = int(args.mib * 2**20) // args.row_bytes
     ensure_table(args.directory, rows=rows, row_bytes=args.row_bytes, shards=args.shards,
                  files=args.files, seed=args.seed)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

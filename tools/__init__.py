@@ -1,0 +1,15 @@
+"""ple's command-line tools, installed as ``ple.tools`` with console scripts:
+
+    ple-demo                tools/demo.py: the main job, cold and warm gathers with each policy
+    ple-make-table          tools/make_table.py: writes a table of random FP8 rows
+    ple-bench-gather        tools/bench_gather.py: the gather against the disk
+    ple-bench-gpu           tools/bench_gpu.py: the GPU benchmark
+    ple-bench-layers        tools/bench_layers.py: an n-gram layer in a serving loop
+    ple-tiny-model          tools/tiny_model.py: a tiny model in every execution mode
+    ple-bench-transformers  tools/bench_transformers.py: a transformers model with large tables
+
+Each also runs as ``python -m ple.tools.<name>`` and, from a checkout, as
+``python tools/<name>.py``.  A tool's module imports only the standard
+library at its top, so that ``--help`` answers without importing torch; the
+rest is imported once the arguments are parsed.
+"""
