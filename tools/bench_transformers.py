@@ -47,11 +47,13 @@ import time
 from collections.abc import Iterable
 from itertools import chain
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # for annotations; torch is imported after parsing (--help imports none)
+    import torch
 
 ARMS = ("ple", "in-memory", "disk-offload")
-DTYPES = {"bf16": torch.bfloat16, "f16": torch.float16, "f32": torch.float32}
+DTYPES = {"bf16": "bfloat16", "f16": "float16", "f32": "float32"}
 MODEL_CONFIG = dict(
     vocab_size=4096, hidden_size=128, num_hidden_layers=3,
     layer_types=["linear_attention", "linear_attention", "indexed_attention"],
@@ -83,7 +85,7 @@ def qwen4exp_config(table_bytes: float | None, *, ple_layers: int, shards: int,
 
 
 def write_checkpoint(directory: Path, table_bytes: float, *, ple_layers: int = 2, shards: int = 8,
-                     dtype: torch.dtype = torch.bfloat16, seed: int = 0, sync: bool = False,
+                     dtype: torch.dtype | None = None, seed: int = 0, sync: bool = False,
                      **overrides) -> dict:
     """Writes a Qwen4Exp checkpoint whose n-gram tables hold about
     ``table_bytes``, holding one shard in memory at a time: the small weights
@@ -91,9 +93,13 @@ def write_checkpoint(directory: Path, table_bytes: float, *, ple_layers: int = 2
     tiny tables, the tables are random shards written one file each, and an
     index lists them all.  ``sync``: flush each file to the disk (so that
     its pages can be dropped from the page cache).  Returns what it wrote
-    (also in ple_bench.json)."""
+    (also in ple_bench.json).  ``dtype``: of the stored rows (default
+    bfloat16)."""
+    import torch
     from safetensors.torch import load_file, save_file
     from transformers import Qwen4ExpForCausalLM
+
+    dtype = torch.bfloat16 if dtype is None else dtype
 
     config = qwen4exp_config(table_bytes, ple_layers=ple_layers, shards=shards, dtype=dtype,
                              **overrides)
@@ -221,7 +227,9 @@ def run_arm(spec: dict) -> dict:
 
     transformers.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
-    directory, dtype = Path(spec["dir"]), DTYPES[spec["dtype"]]
+    import torch
+
+    directory, dtype = Path(spec["dir"]), getattr(torch, DTYPES[spec["dtype"]])
     before = proc_status("VmRSS")
     read_before = disk_read_bytes()
     start = time.perf_counter()
@@ -286,6 +294,7 @@ def disk_device_map(model_class, directory: Path, disk: Iterable[str]) -> dict[s
     on "cpu", naming each module or tensor next to them: accelerate places a
     non-offloaded entry's whole subtree, so ``{"": "cpu", name: "disk"}``
     would fail on the offloaded weight."""
+    import torch
     from transformers import AutoConfig
 
     with torch.device("meta"):
@@ -360,13 +369,14 @@ def main(argv=None) -> int:
     parser.add_argument("--table-gib", type=float, default=3.0,
                         help="GiB of n-gram tables in all (default 3)")
     parser.add_argument("--ple-layers", type=int, default=2, help="PLE layers (default 2)")
-    parser.add_argument("--dtype", choices=DTYPES, default="bf16")
+    parser.add_argument("--dtype", choices=DTYPES, default="bf16",
+                        help="of the stored rows and of the loaded model (default bf16)")
     parser.add_argument("--arms", default=",".join(ARMS), help=f"comma separated, of {ARMS}")
     parser.add_argument("--in-memory", dest="in_memory", action="store_true",
                         help="run the in-memory arm even when MemAvailable looks too small")
     parser.add_argument("--prompt", type=int, default=32, help="prompt tokens (default 32)")
     parser.add_argument("--new-tokens", type=int, default=32, help="timed tokens (default 32)")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="of the prompts (default 0)")
     parser.add_argument("--timeout", type=float, default=1200, help="seconds per arm")
     parser.add_argument("--offload-dir", type=Path, help="where disk-offload writes (default --dir)")
     parser.add_argument("--json", type=Path, help="write the results as JSON")
@@ -376,7 +386,9 @@ def main(argv=None) -> int:
         print(json.dumps(run_arm(json.loads(args.child))))
         return 0
 
-    dtype = DTYPES[args.dtype]
+    import torch
+
+    dtype = getattr(torch, DTYPES[args.dtype])
     start = time.perf_counter()
     info = ensure_checkpoint(args.dir, args.table_gib * 2**30, dtype, ple_layers=args.ple_layers)
     print(f"checkpoint {args.dir}: {len(info['tables'])} n-gram tables, {gib(info['table_bytes'])} "
