@@ -23,6 +23,7 @@ from .safetensors_header import TensorEntry
 # SHARD_NAME and read_checkpoint_entries are importable from here too (as
 # PathsLike and TensorEntry are), for the modules that took them from here.
 from .safetensors_tables import SHARD_NAME, PathsLike, read_checkpoint_entries, select_table  # noqa: F401
+from .progress import rows_progress
 from .staging import StreamStaging
 from .tiers import Tiers
 
@@ -203,12 +204,14 @@ class Table:
         return self.tiers.resident_range if self.tiers is not None else (0, 0)
 
     def place(self, device_rows: int = 0, host_rows: int = 0, device=None,
-              progress: Callable[[int, int], None] | None = None, *, first_row: int = 0) -> None:
+              progress: Callable[[int, int], None] | bool | None = None, *,
+              first_row: int = 0) -> None:
         """Keeps rows ``[first_row, first_row + device_rows)`` in the memory of
         ``device`` (a GPU) and the next ``host_rows`` rows in host memory
         (page-locked when CUDA is there); the rest stay on disk.  Gathers then
         read each id from its tier, with the same bytes.  The rows are read
-        now; ``progress(done, total)`` is called as they are.  ``place()``
+        now; ``progress(done, total)`` is called as they are
+        (``progress=True``: a progress bar on stderr).  ``place()``
         with no rows drops the tiers.  A CUDA graph captured before a
         ``place`` keeps the tiers it was captured with (they stay in memory
         until the table closes).  ``first_row``: where the tiers start, for
@@ -234,9 +237,10 @@ class Table:
         if device_rows or host_rows:
             # Read past the row cache: these rows are about to be resident, and
             # would only push rows the cache should serve out of it.
-            self.tiers = Tiers(lambda ids, out: native.read_for_tiers(self.handle, ids, out),
-                               self.row_bytes, device_rows, host_rows,
-                               device if device_rows else None, first_row, progress)
+            with rows_progress(progress, self.row_bytes, f"placing {self.name}") as report:
+                self.tiers = Tiers(lambda ids, out: native.read_for_tiers(self.handle, ids, out),
+                                   self.row_bytes, device_rows, host_rows,
+                                   device if device_rows else None, first_row, report)
 
     def _retire_tiers(self) -> None:
         """Drops the tiers: frees them, or keeps them until close when a CUDA

@@ -144,6 +144,15 @@ def test_place_progress_reports_every_row(table):
     assert all(total == ROWS for _, total in seen)
 
 
+def test_place_progress_true_shows_a_bar_and_none_shows_nothing(table, capsys):
+    table.place(host_rows=ROWS, progress=True)
+    bar = capsys.readouterr().err
+    assert "placing emb" in bar and "100%" in bar
+    table.place(host_rows=ROWS)
+    table.place(host_rows=ROWS, progress=False)
+    assert capsys.readouterr().err == ""
+
+
 @pytest.mark.parametrize("args, error, message", [
     (dict(host_rows=-1), ValueError, "host_rows must be a non-negative int, got -1"),
     (dict(device_rows=1.5), ValueError, "device_rows must be a non-negative int, got 1.5"),
