@@ -38,7 +38,7 @@ $(VENV)/.installed: $(BUILD_INPUTS)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	if [ "$(TORCH_PIN)" = 1 ] || ! $(PY) -c "import torch" 2>/dev/null; then \
 		$(PY) -m pip install -q "$(TORCH_SPEC)"; fi
-	$(PY) -m pip install -q 'setuptools>=77' wheel ninja numpy safetensors gguf pytest hypothesis triton
+	$(PY) -m pip install -q 'setuptools>=77' wheel ninja numpy safetensors gguf tqdm pytest hypothesis triton build
 	$(PY) -m pip install -q --no-build-isolation -e '.[$(EXTRAS)]'
 	touch $@
 

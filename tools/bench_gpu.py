@@ -92,7 +92,8 @@ def tier_rows(table, calls: int, gen: torch.Generator, device) -> list[dict]:
         device_rows = int(num_rows * device_part)
         host_rows = min(int(num_rows * host_part), num_rows - device_rows)
         start = time.perf_counter()
-        table.place(device_rows=device_rows, host_rows=host_rows, device=device)
+        table.place(device_rows=device_rows, host_rows=host_rows, device=device,
+                    progress=sys.stderr.isatty())
         row = {"split": split, "device_rows": device_rows, "host_rows": host_rows,
                "place_s": time.perf_counter() - start}
         for n, cuda_requests in requests.items():
