@@ -11,24 +11,19 @@ from pathlib import Path
 import numpy as np
 
 import ple
-from ple.table import read_checkpoint_entries
+from ple.safetensors_tables import select_table
 
 PAGE = mmap.PAGESIZE
 
 
 def shard_entries(table: ple.Table) -> list:
     """The safetensors entries of the table's shards in row order (file, byte
-    offset, shape), read from the headers of the files ple.Table opened.
-    (ple.Table keeps the offsets on its native side only.)"""
-    entries = read_checkpoint_entries(table.paths)
-    if len(table.shard_rows) == 1 and table.name in entries:  # one tensor, or one shard
-        names = [table.name]
-    else:  # a shard family: `<prefix>.shard_{i}.weight`, i = 0..S-1
-        names = [f"{table.name}.shard_{i}.weight" for i in range(len(table.shard_rows))]
-    shards = [entries[name] for name in names]
+    offset, shape): the library's own choice of them (select_table, which
+    ple.Table.from_safetensors opens), read again from the table's files."""
+    shards = select_table(table.paths, table.name).shards
     if [s.shape[0] for s in shards] != table.shard_rows:
-        raise ValueError(f"{table.name}: the headers' shards {names} do not have the table's "
-                         f"rows {table.shard_rows}")
+        raise ValueError(f"{table.name}: its files now hold shards of {[s.shape[0] for s in shards]} "
+                         f"rows, not the table's {table.shard_rows}")
     return shards
 
 
@@ -53,7 +48,8 @@ class Layout:
 
     @classmethod
     def open(cls, paths, tensor: str | None = None) -> "Layout":
-        """The layout of the table ple opens from ``paths``; the table is closed again."""
+        """The layout of the table ``ple.Table.from_safetensors(paths, tensor)``
+        opens (the table is closed again)."""
         with ple.Table.from_safetensors(paths, tensor) as table:
             return cls.of(table)
 
