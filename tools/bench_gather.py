@@ -70,8 +70,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--table", type=Path, default=Path("data/bench_table"),
                         help="the table's directory; written there unless it already holds "
                         "a table of this size (default data/bench_table)")
-    parser.add_argument("--table-gib", type=float, help="table size (default 8; --quick 0.25)")
-    parser.add_argument("--row-bytes", type=int, default=160, help="FP8 row size (default 160)")
+    parser.add_argument("--table-gib", type=float, help="table size in GiB (default 8; --quick 0.25)")
+    parser.add_argument("--row-bytes", type=int, default=160, help="bytes (FP8 values) per row (default 160)")
     parser.add_argument("--calls", type=int, help="calls per arm (default 16; --quick 4)")
     parser.add_argument("--rows", type=int, help="random ids per call (default 18000; --quick 4000)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the ids (default 0)")
