@@ -69,14 +69,34 @@ def checkpoints(tmp_path_factory):
     """{model: directory}: each tiny model saved with save_pretrained (Qwen4Exp
     in several files, so that its shard families span them)."""
     directories = {}
-    for key, (model_class, config_class, fields, _) in MODELS.items():
+    for key, (model_class, config_class, fields, names) in MODELS.items():
         torch.manual_seed(0)
-        model = model_class(config_class(**fields))
+        model = model_class(config_class(**fields)).eval()
+        if key == "gemma3n":
+            # Initialized to zero, this scale multiplies the per-layer inputs'
+            # whole contribution: the logits would not depend on the table.
+            for layer in model.model.layers:
+                torch.nn.init.normal_(layer.altup.correct_output_scale)
+        assert_logits_depend_on(model, names)
         directory = tmp_path_factory.mktemp(key)
         model.save_pretrained(directory, **({"max_shard_size": "64KB"} if key == "qwen4exp" else {}))
         directories[key] = directory
     assert len(list(directories["qwen4exp"].glob("*.safetensors"))) > 2
     return directories
+
+
+def assert_logits_depend_on(model, names) -> None:
+    """Changing any one of the tables changes the logits (else comparing
+    logits would not test the tables)."""
+    ids = prompt()
+    with torch.no_grad():
+        logits = model(ids).logits
+        for name in names:
+            weight = model.get_submodule(name).weight
+            saved = weight.clone()
+            weight.mul_(1.5).add_(0.01)
+            assert not torch.equal(model(ids).logits, logits), f"the logits ignore {name}"
+            weight.copy_(saved)
 
 
 def prompt(seed: int = 0, shape=(2, 7)) -> torch.Tensor:
