@@ -164,6 +164,11 @@ def test_pressure_run_in_a_memory_cgroup(bench_table, tmp_path):
         assert group["usage_after_ballast"] >= 100 << 20  # the ballast is charged to the group
         assert r["read_bytes_per_call"] > 0
     assert _leftover_cgroups() == []  # the tool removed the groups it made
+    ms = {r["arm"]: r["ms_median"] for r in doc["arms"]}
+    ratios = {a["arm"]: a for a in doc["ratios"]["arms"]}
+    assert doc["ratios"]["reference"]["pressure"] and "goals" not in doc
+    assert ratios["window:4096"]["time_over_all"] == pytest.approx(ms["window:4096"] / ms["all"])
+    assert ratios["all"]["time_over_all"] is None
 
 
 def _leftover_cgroups():
