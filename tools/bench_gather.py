@@ -10,8 +10,8 @@ and against what the disk serves, cold, warm and under memory pressure.
 Arms, each running the same calls with the same seeded random ids:
 
   none            no advice: every cold page is a synchronous fault
-  all             every cold page advised first, then copied (the old operator)
-  distance:KiB    the seed's rule: pages less than KiB ahead of the copy address
+  all             every cold page advised first, then copied
+  distance:KiB    advice for the pages less than KiB ahead of the copy address
   window:KiB      at most KiB of pages advised and not yet copied, per gather
                   thread (--threads; one arm per --windows value)
   ceiling:DEPTH   not a gather: the unique 4 KiB pages under each call's rows,
@@ -78,7 +78,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--windows", help="KiB budgets of the window:KiB arms, comma separated "
                         "(default 64,1024,4096,16384; --quick 64,4096)")
     parser.add_argument("--distance", type=int, default=4096,
-                        help="KiB of the distance:KiB arm, the seed's window (default 4096; 0: no arm)")
+                        help="KiB of the distance:KiB arm (default 4096; 0: no arm)")
     parser.add_argument("--ceiling", help="queue depths of the ceiling:DEPTH arms, comma "
                         "separated (default 32,64; --quick 32; empty: none)")
     parser.add_argument("--ceiling-engine", choices=("aio", "threads"), default="aio",

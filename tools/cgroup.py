@@ -35,7 +35,7 @@ class MemoryCgroup:
 
     cgroup v2 (/sys/fs/cgroup/cgroup.controllers exists): a group under the
     root of the hierarchy with memory.high = limit (reclaim and throttle above
-    it, as in the seed's setup) and memory.max = limit + 1/8 (the OOM line).
+    it, as a serving machine's limit does) and memory.max = limit + 1/8 (the OOM line).
     cgroup v1: a group nested in this process's memory cgroup under
     /sys/fs/cgroup/memory/ with memory.limit_in_bytes = limit."""
 
