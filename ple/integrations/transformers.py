@@ -58,8 +58,8 @@ from torch import nn
 
 from ple.config import GatherConfig
 from ple.layers.disk_embedding import DTYPES, DiskEmbedding
-from ple.safetensors_header import TensorEntry, read_header
-from ple.table import SHARD_NAME, Table
+from ple.safetensors_header import TensorEntry
+from ple.table import SHARD_NAME, Table, read_checkpoint_entries
 
 logger = logging.getLogger(__name__)
 
@@ -146,7 +146,7 @@ def from_pretrained(model_class, path: str | os.PathLike, *, offload: str | Iter
         raise FileNotFoundError(f"{directory}: not a local checkpoint directory (ple maps the "
                                 "checkpoint's own files, so it loads local checkpoints only)")
     files = checkpoint_files(directory, kwargs.get("variant"))
-    entries = _read_entries(files)
+    entries = read_checkpoint_entries(files)
     opened: list[DiskEmbedding] = []
     found: dict[str, str] = {}
 
@@ -191,7 +191,7 @@ def offload(model: nn.Module, path: str | os.PathLike | Iterable[str | os.PathLi
         for file in files:
             if not file.is_file():
                 raise FileNotFoundError(f"{file}: no such checkpoint file")
-    swapped = _swap(model, files, _read_entries(files), names, gather_config, key_mapping)
+    swapped = _swap(model, files, read_checkpoint_entries(files), names, gather_config, key_mapping)
     offloaded = dict(getattr(model, "ple_offloaded", None) or {})
     offloaded.update({name: tensor for name, (_, tensor) in swapped.items()})
     model.ple_offloaded = offloaded
@@ -220,13 +220,6 @@ def _add_variant(name: str, variant: str | None) -> str:
         return name
     stem, ext = name.split(".", 1)
     return f"{stem}.{variant}.{ext}"
-
-
-def _read_entries(files: list[Path]) -> dict[str, TensorEntry]:
-    entries: dict[str, TensorEntry] = {}
-    for file in files:
-        entries.update(read_header(file))
-    return entries
 
 
 def _loading_class(model_class, swap_in):
