@@ -44,9 +44,9 @@ class BuildNative(BuildExtension.with_options(use_ninja=True)):
 
 
 setup(
-    packages=["ple", "ple.integrations", "ple.kernels", "ple.ops", "ple.layers", "ple.tools"],
+    packages=["ple", "ple.integrations", "ple.kernels", "ple.ops", "ple.layers", "ple_tools"],
     package_dir={"ple": "ple", "ple.kernels": "kernels", "ple.ops": "ops", "ple.layers": "layers",
-                 "ple.tools": "tools"},
+                 "ple_tools": "tools"},
     # The sources travel with the package: ple compiles them at import when
     # the built module does not match the running torch.
     package_data={"ple.kernels": ["*.cpp", "*.h"]},

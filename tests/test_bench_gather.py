@@ -17,8 +17,8 @@ import pytest
 import torch
 
 import ple
-from ple.tools.make_table import PREFIX
-from ple.tools.table_layout import PAGE, Layout
+from ple_tools.make_table import PREFIX
+from ple_tools.table_layout import PAGE, Layout
 
 ROOT = Path(__file__).resolve().parents[1]
 TOOL = ROOT / "tools" / "bench_gather.py"

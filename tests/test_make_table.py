@@ -1,11 +1,11 @@
-"""tools/make_table.ensure_table (ple.tools.make_table) reuses a table only
+"""tools/make_table.ensure_table (ple_tools.make_table) reuses a table only
 when it was written, to the end, with the same arguments, and says so;
 write_table shows a progress bar when asked."""
 
 import pytest
 
 import ple
-import ple.tools.make_table
+import ple_tools.make_table
 
 ARGUMENTS = dict(rows=100, row_bytes=16, shards=4, files=2, seed=0)
 
@@ -13,7 +13,7 @@ ARGUMENTS = dict(rows=100, row_bytes=16, shards=4, files=2, seed=0)
 @pytest.fixture
 def make_table(monkeypatch):
     """The tool's module, with write_table counting its calls in ``writes``."""
-    module = ple.tools.make_table
+    module = ple_tools.make_table
     monkeypatch.setattr(module, "writes", [], raising=False)
     write_table = module.write_table
 
@@ -36,11 +36,11 @@ def test_the_same_arguments_reuse_the_table(make_table, tmp_path, capsys):
 def test_write_table_progress(tmp_path, capsys):
     """With progress=True a tqdm bar counts the bytes; without one (stderr is
     not a terminal under pytest) a line per file says what was written."""
-    ple.tools.make_table.write_table(tmp_path / "bar", rows=64, row_bytes=16, shards=2, files=2,
+    ple_tools.make_table.write_table(tmp_path / "bar", rows=64, row_bytes=16, shards=2, files=2,
                                      progress=True)
     bar = capsys.readouterr().err
     assert "writing bar" in bar and "1.00k/1.00k" in bar and "[2/2]" in bar
-    ple.tools.make_table.write_table(tmp_path / "lines", rows=64, row_bytes=16, shards=2, files=2)
+    ple_tools.make_table.write_table(tmp_path / "lines", rows=64, row_bytes=16, shards=2, files=2)
     lines = capsys.readouterr().err.splitlines()
     assert [line.split()[1] for line in lines] == ["model-00001-of-00002.safetensors",
                                                    "model-00002-of-00002.safetensors"]

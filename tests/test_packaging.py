@@ -88,7 +88,7 @@ def test_build_sdist_and_wheel(tmp_path):
         names = set(archive.namelist())
         info = next(n.split("/")[0] for n in names if n.endswith(".dist-info/entry_points.txt"))
         entry_points = archive.read(f"{info}/entry_points.txt").decode()
-    assert {f"ple/tools/{p.name}" for p in (copy / "tools").glob("*.py")} <= names
+    assert {f"ple_tools/{p.name}" for p in (copy / "tools").glob("*.py")} <= names
     assert any(n.startswith(f"ple/kernels/{module_name(torch.__version__)}.") and n.endswith(".so")
                for n in names), sorted(n for n in names if n.startswith("ple/kernels/"))
     for name, target in SCRIPTS.items():

@@ -54,7 +54,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # for annotations; imported after parsing
-    from ple.tools.table_layout import Layout
+    from ple_tools.table_layout import Layout
 
 MiB = 2**20
 DEFAULTS = dict(table_gib=8.0, calls=16, rows=18000, windows="64,1024,4096,16384",
@@ -142,11 +142,11 @@ def child_main(spec_json: str) -> None:
     import numpy as np
 
     import ple
-    from ple.tools.cgroup import MemoryCgroup
-    from ple.tools.demo import make_requests
-    from ple.tools.gather_arms import arm_kind, run_arm
-    from ple.tools.make_table import PREFIX
-    from ple.tools.table_layout import PAGE, Layout
+    from ple_tools.cgroup import MemoryCgroup
+    from ple_tools.demo import make_requests
+    from ple_tools.gather_arms import arm_kind, run_arm
+    from ple_tools.make_table import PREFIX
+    from ple_tools.table_layout import PAGE, Layout
 
     spec = json.loads(spec_json)
     layout = Layout.open(spec["table"], PREFIX)
@@ -182,8 +182,8 @@ def child_main(spec_json: str) -> None:
 def run_arm_in_cgroup(args, arm: str, state: str, index: int, layout: Layout) -> dict:
     """Runs one arm in a child process inside a memory cgroup made for it
     (and removed after); returns the child's record."""
-    from ple.tools.cgroup import MemoryCgroup
-    from ple.tools.gather_arms import drop_files
+    from ple_tools.cgroup import MemoryCgroup
+    from ple_tools.gather_arms import drop_files
 
     group = MemoryCgroup(f"ple-bench-{os.getpid()}-{index}", args.memory_limit)
     try:
@@ -195,7 +195,7 @@ def run_arm_in_cgroup(args, arm: str, state: str, index: int, layout: Layout) ->
                 "drop": args.drop, "threads": args.threads, "engine": args.ceiling_engine,
                 "cgroup": str(group.path), "cgroup_version": group.version, "limit": group.limit,
                 "ballast": args.ballast * MiB, "fd": write_fd}
-        child = subprocess.Popen([sys.executable, "-m", "ple.tools.bench_gather", "--child",
+        child = subprocess.Popen([sys.executable, "-m", "ple_tools.bench_gather", "--child",
                                   json.dumps(spec)], pass_fds=(write_fd,))
         os.close(write_fd)
         with os.fdopen(read_fd) as pipe:
@@ -217,7 +217,7 @@ def main(argv=None) -> int:
     if args.child:
         child_main(args.child)
         return 0
-    from ple.tools.cgroup import CgroupError, MemoryCgroup
+    from ple_tools.cgroup import CgroupError, MemoryCgroup
 
     pressure = args.memory_limit is not None
     if pressure:  # fail early and clearly without the rights to make a cgroup
@@ -234,11 +234,11 @@ def main(argv=None) -> int:
     import torch
 
     import ple
-    from ple.tools import report
-    from ple.tools.demo import make_requests
-    from ple.tools.gather_arms import new_pages_per_call, run_arm, run_ceiling_arm
-    from ple.tools.make_table import PREFIX, ensure_table
-    from ple.tools.table_layout import Layout
+    from ple_tools import report
+    from ple_tools.demo import make_requests
+    from ple_tools.gather_arms import new_pages_per_call, run_arm, run_ceiling_arm
+    from ple_tools.make_table import PREFIX, ensure_table
+    from ple_tools.table_layout import Layout
 
     num_rows = int(args.table_gib * 2**30) // args.row_bytes
     ensure_table(args.table, rows=num_rows, row_bytes=args.row_bytes)

@@ -134,8 +134,8 @@ def main(argv=None) -> int:
     from ple.kernels.decode_triton import decode_rows_triton
     from ple.ops import disk_gather_cuda
     from ple.staging import PinnedBuffer
-    from ple.tools.make_table import PREFIX, ensure_table
-    from ple.tools.table_layout import shard_entries
+    from ple_tools.make_table import PREFIX, ensure_table
+    from ple_tools.table_layout import shard_entries
 
     if not torch.cuda.is_available():
         print("ple-bench-gpu needs a CUDA device, and torch sees none", file=sys.stderr)

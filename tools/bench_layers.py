@@ -47,7 +47,7 @@ def make_steps(tokens: int, steps: int, seed: int) -> list[tuple[torch.Tensor, .
 
 
 def run_mode(layer: NGramEmbedding, mode: str, steps, compute_ms: float) -> dict:
-    from ple.tools.demo import disk_read_bytes
+    from ple_tools.demo import disk_read_bytes
 
     layer.table.reset_stats()
     if mode != "warm":
@@ -91,7 +91,7 @@ def main(argv=None) -> int:
     import torch
 
     from ple.layers import NGramEmbedding
-    from ple.tools.make_table import PREFIX, ensure_table
+    from ple_tools.make_table import PREFIX, ensure_table
 
     row_bytes = 160
     num_rows = int(args.table_gib * 2**30) // row_bytes

@@ -133,7 +133,7 @@ def main(argv=None) -> int:
     import torch
 
     import ple
-    from ple.tools.make_table import PREFIX, ensure_table
+    from ple_tools.make_table import PREFIX, ensure_table
 
     num_rows = int(args.mib * 2**20) // args.row_bytes
     ensure_table(args.table, rows=num_rows, row_bytes=args.row_bytes)

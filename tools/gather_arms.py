@@ -20,10 +20,10 @@ import numpy as np
 import torch
 
 import ple
-from ple.tools import odirect
-from ple.tools.demo import disk_read_bytes
-from ple.tools.make_table import PREFIX
-from ple.tools.table_layout import PAGE, Layout
+from ple_tools import odirect
+from ple_tools.demo import disk_read_bytes
+from ple_tools.make_table import PREFIX
+from ple_tools.table_layout import PAGE, Layout
 
 
 def major_faults() -> int:

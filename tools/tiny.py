@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from ple.layers import NGramEmbedding, NGramHashing, PackedGGUFEmbedding
-from ple.tools.make_table import PREFIX, write_table
+from ple_tools.make_table import PREFIX, write_table
 
 VOCAB_SIZE = 4096
 HIDDEN = 256  # token embedding width: a multiple of Q8_0's 32-value blocks

@@ -35,7 +35,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    from ple.tools.tiny import run
+    from ple_tools.tiny import run
 
     return run(args.out, args.device)
 
