@@ -192,11 +192,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       "launch_host_gather",
       [](uintptr_t stream, int64_t handle, uintptr_t ids, int64_t n, int64_t resident_begin,
          int64_t resident_end, uintptr_t staging, uintptr_t status, bool capturing) {
-        ple::launch_host_gather(stream, handle, reinterpret_cast<const int64_t*>(ids), n,
-                                {resident_begin, resident_end}, reinterpret_cast<uint8_t*>(staging),
-                                reinterpret_cast<int32_t*>(status), capturing);
+        ple::launch_host_gather({handle, stream, reinterpret_cast<const int64_t*>(ids), n,
+                                 {resident_begin, resident_end}, reinterpret_cast<uint8_t*>(staging),
+                                 reinterpret_cast<int32_t*>(status)},
+                                capturing);
       },
       "Enqueues the gather of pinned ids into pinned staging on a CUDA stream");
+  m.def("graph_gather_mechanism", &ple::graph_gather_mechanism,
+        "How a gather captured in a CUDA graph now runs: \"doorbell\" or \"host_func\"");
   m.def("register_host_memory", [](uintptr_t data, size_t bytes, int device) {
     ple::register_host_memory(reinterpret_cast<void*>(data), bytes, device);
   });

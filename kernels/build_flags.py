@@ -7,7 +7,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-# host_gather.cpp finds the CUDA driver with dlopen at run time.
+# cuda_driver.cpp finds the CUDA driver with dlopen at run time.
 LIBRARIES = ("dl",)
 
 # The oldest torch release ple supports, the oldest its CI tests

@@ -4,28 +4,43 @@
 #include <cstdint>
 #include <string>
 
+#include "cuda_driver.h"
 #include "table_registry.h"
 
 namespace ple {
 
-// Enqueues, on `stream` (a CUstream), the gather of the n int64 ids at `ids`
-// into `staging` (ids in `resident` are left to the device and host tiers);
-// `status` is set to 0 when it succeeded, 1 when it failed.
-// All three pointers are pinned host memory that stays valid while the work
-// (or, when `capturing`, the graph it is captured into) may run.
-void launch_host_gather(uintptr_t stream, int64_t handle, const int64_t* ids, int64_t n,
-                        ResidentRange resident, uint8_t* staging, int32_t* status, bool capturing);
+// One gather of the CUDA operator's host side: the n int64 ids at `ids` into
+// `staging` (ids in `resident` are left to the device and host tiers).  All
+// three pointers are pinned host memory that stays valid while the work (or
+// the graph it is captured into) may run.
+struct HostGatherJob {
+  int64_t handle;
+  uintptr_t stream;
+  const int64_t* ids;  // written by a device-to-host copy ordered before the job
+  int64_t n;
+  ResidentRange resident;  // fixed at launch: a captured graph keeps its tiers
+  uint8_t* staging;        // n * row_bytes
+  int32_t* status;         // 0 when the rows in staging are this job's, else 1
+};
+
+// Runs `job` on the calling thread; never throws: a failure sets the status
+// word and is kept for take_host_error.
+void run_host_gather(const HostGatherJob& job);
+
+// Enqueues `job` on its stream.  Eagerly, and in a graph where stream memory
+// operations are missing (or PLE_GRAPH_GATHER=host_func), as a host function
+// (cuLaunchHostFunc); in a graph otherwise, rung by the graph through a
+// doorbell (doorbell_gather.h), which costs less on every replay.
+void launch_host_gather(const HostGatherJob& job, bool capturing);
+
+// How a gather captured now would run: "doorbell" or "host_func".
+std::string graph_gather_mechanism();
 
 // Page-locks host memory for the CUDA operator (also while a graph is being
 // captured, which cudaHostRegister refuses), and undoes it.  `device`: whose
 // primary context to use on a thread that has no current context.
 void register_host_memory(void* data, size_t bytes, int device);
 void unregister_host_memory(void* data, int device);
-
-// Whether this process is a forked child of one that used the CUDA driver
-// here: its pinned memory and streams are the parent's, and the driver
-// cannot serve it (the child must leave them alone).
-bool forked_after_cuda();
 
 // The error of a failed host gather of this table on this stream, once; ""
 // when there was none.

@@ -2,21 +2,27 @@
 bfloat16, for a decode step (16 rows) and a 2,048-token prefill chunk of 16
 heads (32,768 rows), warm and cold, and with the table placed in tiers.
 
-    ple-bench-gpu [--mib 1024] [--calls 50]     (or python tools/bench_gpu.py ...)
+    ple-bench-gpu [--mib 1024] [--calls 50] [--json PATH]     (or python tools/bench_gpu.py ...)
 
 Per case it prints the median time per call of the operator in eager mode
 (staged rows read by the kernel over UVA, and copied to the device first),
-replayed in a CUDA graph, its parts (host gather, host-to-device copy,
-kernel), and a plain PyTorch baseline (NumPy fancy indexing of a memmap,
-torch.from_numpy, .to("cuda"), decode in torch); then the pinned
-host-to-device and device-to-device copy bandwidths.  Then the operator with
-the table all on disk, in thirds (device, host, disk), all in pinned host
-memory, and all on the device.
+replayed in a CUDA graph whose host gather is rung by a doorbell and by a
+host node (by turns), its parts (the host gather alone, timed on the host,
+host-to-device copy, kernel), and a plain PyTorch baseline (NumPy fancy
+indexing of a memmap, torch.from_numpy, .to("cuda"), decode in torch).
+Cold calls drop the table's pages first; the baseline's memmap is opened
+for its own calls only, so that no other mapping keeps the pages.  Then:
+a graph of one tiny kernel (the floor of a replay), the doorbell graph
+replayed after pauses, the eager operator with the machine's CPUs as
+threads and one fewer, the operator with the table in tiers, and the copy
+bandwidths.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import statistics
 import sys
 import time
@@ -31,17 +37,38 @@ SIZES = (16, 32768)
 
 
 def median_us(fn, calls: int, before=None) -> float:
-    """Median wall time of fn() followed by a device synchronize, in us."""
+    """Median wall time of fn(i) followed by a device synchronize, in us;
+    before(i), untimed, runs ahead of every call."""
+    return by_turns({"fn": fn}, calls, before and (lambda i, name: before(i)))["fn"]
+
+
+def by_turns(arms: dict, calls: int, before=None) -> dict[str, float]:
+    """Median wall time (us) of each arm's fn(i) and a device synchronize,
+    the arms taking turns call by call, so that the machine's drift falls on
+    all of them alike.  before(i, arm), untimed, runs ahead of every call."""
     import torch
 
+    times = {name: [] for name in arms}
+    for i in range(calls):
+        for name, fn in arms.items():
+            if before is not None:
+                before(i, name)
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            fn(i)
+            torch.cuda.synchronize()
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t) * 1e6 for name, t in times.items()}
+
+
+def host_us(fn, calls: int, before=None) -> float:
+    """Median wall time of fn(i) on the host alone (no device synchronize), in us."""
     times = []
     for i in range(calls):
         if before is not None:
             before(i)
-        torch.cuda.synchronize()
         start = time.perf_counter()
         fn(i)
-        torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
     return statistics.median(times) * 1e6
 
@@ -71,6 +98,56 @@ def read_whole_file(path: Path) -> None:
     with open(path, "rb") as f:
         while f.read(64 << 20):
             pass
+
+
+def capture(fn, mechanism: str | None = None) -> torch.cuda.CUDAGraph:
+    """A CUDA graph of fn(); ``mechanism`` ("host_func") sets how its host
+    gathers run (PLE_GRAPH_GATHER, read at capture)."""
+    import torch
+
+    saved = os.environ.get("PLE_GRAPH_GATHER")
+    if mechanism is not None:
+        os.environ["PLE_GRAPH_GATHER"] = mechanism
+    try:
+        fn()
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+        return graph
+    finally:
+        if saved is None:
+            os.environ.pop("PLE_GRAPH_GATHER", None)
+        else:
+            os.environ["PLE_GRAPH_GATHER"] = saved
+
+
+class Baseline:
+    """The plain PyTorch way: NumPy fancy indexing of a memmap of the shard,
+    torch.from_numpy, .to(device), decode in torch.  The memmap is opened for
+    the baseline's own calls and closed after them (close()), so that it
+    keeps no page of the table while the operator's cold calls run."""
+
+    def __init__(self, path: Path, offset: int, num_rows: int, scale: float, device):
+        self.args = (path, offset, num_rows)
+        self.scale, self.device = scale, device
+        self.memmap = None
+
+    def __call__(self, ids: torch.Tensor) -> torch.Tensor:
+        import numpy as np
+        import torch
+
+        if self.memmap is None:
+            path, offset, num_rows = self.args
+            self.memmap = np.memmap(path, dtype=np.uint8, mode="r", offset=offset,
+                                    shape=(num_rows, ROW_BYTES))
+        rows = torch.from_numpy(self.memmap[ids.numpy()]).to(self.device)
+        return (rows.view(torch.float8_e4m3fn).float() * self.scale).to(torch.bfloat16)
+
+    def close(self) -> None:
+        if self.memmap is not None:
+            self.memmap._mmap.close()
+            self.memmap = None
 
 
 # Tier splits, as (device, host) fractions of the table; the rest is on disk.
@@ -109,6 +186,40 @@ def tier_rows(table, calls: int, gen: torch.Generator, device) -> list[dict]:
     return results
 
 
+def thread_rows(table, calls: int, gen: torch.Generator, device) -> list[dict]:
+    """The eager operator (warm) with the machine's CPUs as threads and one
+    fewer, by turns: the caller's synchronize spins on a CPU of its own."""
+    import ple
+    import torch
+
+    cpus = os.cpu_count() or 1
+    counts = sorted({cpus, max(1, cpus - 1)}, reverse=True)
+    saved = table.config
+    results = []
+    for n in SIZES:
+        requests = [torch.randint(0, table.num_rows, (n,), generator=gen).to(device)
+                    for _ in range(calls)]
+        configs = {f"threads={t}": ple.GatherConfig(threads=t) for t in counts}
+
+        def configure(i, name):
+            table.config = configs[name]
+        arms = {name: (lambda i: torch.ops.ple.disk_gather(requests[i], table.handle, torch.bfloat16))
+                for name in configs}
+        results.append({"rows": n, **{f"{k}_us": v for k, v in by_turns(arms, calls, configure).items()}})
+    table.config = saved
+    return results
+
+
+def pause_rows(graph, calls: int, pauses_ms=(0, 20, 500)) -> dict[str, float]:
+    """Median replay time of a doorbell graph after each pause: the doorbell
+    thread spins after a ring, then polls more slowly (doorbell_gather.cpp)."""
+    result = {}
+    for pause in pauses_ms:
+        before = (lambda i, pause=pause: time.sleep(pause / 1e3)) if pause else None
+        result[f"after_{pause}ms_us"] = median_us(lambda i: graph.replay(), max(5, calls // 5), before)
+    return result
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0],
@@ -122,16 +233,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--cold-calls", type=int, default=8,
                         help="timed calls per cold measurement, each after the table's pages "
                         "are dropped (default 8)")
+    parser.add_argument("--json", type=Path, metavar="PATH", help="also write the results as JSON")
     return parser.parse_args(argv)
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    import numpy as np
     import torch
 
     import ple
     from ple.kernels.decode_triton import decode_rows_triton
+    from ple.kernels.native import native
     from ple.ops import disk_gather_cuda
     from ple.staging import PinnedBuffer
     from ple_tools.make_table import PREFIX, ensure_table
@@ -146,11 +258,14 @@ def main(argv=None) -> int:
     with ple.Table.from_safetensors(args.table, PREFIX) as table:
         (shard,) = shard_entries(table)
         path = shard.path
-        memmap = np.memmap(path, dtype=np.uint8, mode="r", offset=shard.offset,
-                           shape=(num_rows, ROW_BYTES))
-        print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; table {path} "
+        machine = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                   "cpus": os.cpu_count(), "threads": table.config.threads,
+                   "graph_gather": native.graph_gather_mechanism(), "table_rows": num_rows,
+                   "row_bytes": ROW_BYTES}
+        print(f"{machine['device']}, torch {machine['torch']}; table {path} "
               f"({num_rows:,} rows of {ROW_BYTES} B)", file=sys.stderr)
         fmt, scale = table.row_format, table.scale
+        baseline = Baseline(path, shard.offset, num_rows, scale, device)
         gen = torch.Generator().manual_seed(0)
         results = []
         for state in ("warm", "cold"):
@@ -172,22 +287,27 @@ def main(argv=None) -> int:
                 disk_gather_cuda.UVA_MAX_BYTES = 1 << 20
 
                 static_ids = cuda_requests[0].clone()
-                torch.ops.ple.disk_gather(static_ids, table.handle, torch.bfloat16)
-                torch.cuda.synchronize()
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph):
-                    torch.ops.ple.disk_gather(static_ids, table.handle, torch.bfloat16)
+                graphs = {mechanism: capture(
+                    lambda: torch.ops.ple.disk_gather(static_ids, table.handle, torch.bfloat16),
+                    None if mechanism == "doorbell" else mechanism)
+                    for mechanism in ("doorbell", "host_func")}
 
-                def set_ids(i):
+                def set_ids(i, name):
                     static_ids.copy_(cuda_requests[i])
                     if drop is not None:
                         drop(i)
-                row["graph_us"] = median_us(lambda i: graph.replay(), calls, set_ids)
+                replays = by_turns({name: (lambda i, g=g: g.replay()) for name, g in graphs.items()},
+                                   calls, set_ids)
+                row["graph_doorbell_us"], row["graph_host_func_us"] = (
+                    replays["doorbell"], replays["host_func"])
+                if state == "warm" and n == SIZES[0]:
+                    machine["doorbell_pauses"] = pause_rows(graphs["doorbell"], calls)
+                del graphs
 
                 pinned = PinnedBuffer(n * ROW_BYTES)
                 staged = pinned.bytes[: n * ROW_BYTES].view(n, ROW_BYTES)
                 before = table.stats()
-                row["host_gather_us"] = median_us(
+                row["host_gather_us"] = host_us(
                     lambda i: table.gather_bytes(requests[i], out=staged), calls, drop)
                 after = table.stats()
                 row["native_us"] = (after["gather_ns"] - before["gather_ns"]) / calls / 1e3
@@ -198,45 +318,68 @@ def main(argv=None) -> int:
                 row["kernel_us"] = device_us(lambda: decode_rows_triton(staged_dev, fmt, scale, out), 20)
                 pinned.free()
 
-                def baseline(i):
-                    rows = torch.from_numpy(memmap[requests[i].numpy()]).to(device)
-                    return (rows.view(torch.float8_e4m3fn).float() * scale).to(torch.bfloat16)
-
-                expected = baseline(0)
                 got = torch.ops.ple.disk_gather(cuda_requests[0], table.handle, torch.bfloat16)
-                assert torch.equal(got, expected), "operator and baseline disagree"
-                row["baseline_us"] = median_us(baseline, calls, drop)
+                assert torch.equal(got, baseline(requests[0])), "operator and baseline disagree"
+                baseline.close()
+
+                def baseline_before(i):
+                    baseline.close()
+                    if drop is not None:
+                        drop(i)
+                row["baseline_us"] = median_us(lambda i: baseline(requests[i]), calls, baseline_before)
+                baseline.close()
                 results.append(row)
                 print(f"  {state} {n} rows done", file=sys.stderr)
 
+        tiny = torch.zeros(1, device=device)
+        floor_graph = capture(lambda: tiny.add_(1))
+        machine["tiny_graph_us"] = median_us(lambda i: floor_graph.replay(), args.calls)
         read_whole_file(path)  # the cold pass emptied the page cache
+        threads = thread_rows(table, args.calls, gen, device)
         tiers = tier_rows(table, args.calls, gen, device)
 
         big = 256 << 20
         host = PinnedBuffer(big)
         dev_a, dev_b = torch.empty(big, dtype=torch.uint8, device=device), torch.empty(
             big, dtype=torch.uint8, device=device)
-        h2d = bandwidth_gbs(host.bytes, dev_a)
-        d2d = bandwidth_gbs(dev_a, dev_b)
+        machine["h2d_gbs"] = bandwidth_gbs(host.bytes, dev_a)
+        machine["d2d_gbs"] = bandwidth_gbs(dev_a, dev_b)
         host.free()
 
-    cols = ("eager_uva_us", "eager_copy_us", "graph_us", "host_gather_us", "native_us",
-            "h2d_us", "kernel_us", "baseline_us")
-    print(f"threads={table.config.threads}")
-    print(f"{'state':<5} {'rows':>6} " + " ".join(f"{c:>15}" for c in cols) + f" {'speedup':>8}")
+    report(machine, results, threads, tiers)
+    if args.json is not None:
+        args.json.write_text(json.dumps({"machine": machine, "cases": results, "threads": threads,
+                                         "tiers": tiers}, indent=1) + "\n")
+    return 0
+
+
+def report(machine: dict, results: list[dict], threads: list[dict], tiers: list[dict]) -> None:
+    cols = ("eager_uva_us", "eager_copy_us", "graph_doorbell_us", "graph_host_func_us",
+            "host_gather_us", "native_us", "h2d_us", "kernel_us", "baseline_us")
+    print(f"threads={machine['threads']}, graphs' host gather: {machine['graph_gather']}")
+    print(f"{'state':<5} {'rows':>6} " + " ".join(f"{c:>18}" for c in cols) + f" {'speedup':>8}")
     for r in results:
         best = min(r["eager_uva_us"], r["eager_copy_us"])
-        print(f"{r['state']:<5} {r['rows']:>6} " + " ".join(f"{r[c]:>15.1f}" for c in cols)
+        print(f"{r['state']:<5} {r['rows']:>6} " + " ".join(f"{r[c]:>18.1f}" for c in cols)
               + f" {r['baseline_us'] / best:>7.1f}x")
-    print("native_us: mean time inside the native gather (host_gather_us less Python)")
+    print("graph_*: one replay, its host gather rung by a doorbell or run by a host node (by turns);\n"
+          "host_gather_us: table.gather_bytes alone, timed on the host; native_us: the time "
+          "inside the native gather")
+    print(f"\na graph of one tiny kernel: {machine['tiny_graph_us']:.1f} us a replay (the floor)")
+    pauses = machine["doorbell_pauses"]
+    print("doorbell graph, 16 warm rows, replayed after a pause: " + ", ".join(
+        f"{key.removeprefix('after_').removesuffix('_us')} {us:.1f} us" for key, us in pauses.items()))
+    print("\neager, warm, median us by turns: " + "; ".join(
+        f"{r['rows']} rows " + ", ".join(f"{k.removesuffix('_us')} {v:.1f}" for k, v in r.items()
+                                         if k != "rows") for r in threads))
     print(f"\ntiers (warm, eager, median us): {'split':<7} {'device_rows':>12} {'host_rows':>12} "
           f"{'place_s':>8} " + " ".join(f"{n:>9}" for n in SIZES))
     for r in tiers:
         print(f"{'':<30} {r['split']:<7} {r['device_rows']:>12,} {r['host_rows']:>12,} "
               f"{r['place_s']:>8.1f} " + " ".join(f"{r[f'{n}_us']:>9.1f}" for n in SIZES))
-    print(f"\npinned host-to-device copy: {h2d:.1f} GB/s; device-to-device copy: {d2d:.1f} GB/s "
-          f"(ratio {d2d / h2d:.1f}); speedup = baseline / best eager")
-    return 0
+    print(f"\npinned host-to-device copy: {machine['h2d_gbs']:.1f} GB/s; device-to-device copy: "
+          f"{machine['d2d_gbs']:.1f} GB/s (ratio {machine['d2d_gbs'] / machine['h2d_gbs']:.1f}); "
+          "speedup = baseline / best eager")
 
 
 if __name__ == "__main__":

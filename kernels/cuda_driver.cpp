@@ -1,0 +1,84 @@
+#include "cuda_driver.h"
+
+#include <dlfcn.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <stdexcept>
+#include <string>
+
+#include "mapped_table.h"
+
+namespace ple {
+
+namespace {
+
+// The process that first used the driver: its forked children cannot.
+std::atomic<pid_t> driver_pid{0};
+
+template <typename Function>
+void find(void* lib, const char* name, Function*& entry) {
+  entry = reinterpret_cast<Function*>(::dlsym(lib, name));
+}
+
+}  // namespace
+
+const Driver& driver() {
+  static const Driver loaded = [] {
+    Driver d;
+    void* lib = ::dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
+    if (lib == nullptr) return d;
+    driver_pid.store(::getpid());
+    find(lib, "cuLaunchHostFunc", d.launch_host_func);
+    find(lib, "cuMemHostRegister_v2", d.mem_host_register);
+    find(lib, "cuMemHostUnregister", d.mem_host_unregister);
+    find(lib, "cuMemHostGetDevicePointer_v2", d.mem_host_get_device_pointer);
+    find(lib, "cuThreadExchangeStreamCaptureMode", d.exchange_capture_mode);
+    find(lib, "cuInit", d.init);
+    find(lib, "cuCtxGetCurrent", d.ctx_get_current);
+    find(lib, "cuCtxSetCurrent", d.ctx_set_current);
+    find(lib, "cuDeviceGet", d.device_get);
+    find(lib, "cuDevicePrimaryCtxRetain", d.primary_ctx_retain);
+    find(lib, "cuStreamWaitValue32_v2", d.stream_wait_value32);
+    find(lib, "cuStreamWriteValue32_v2", d.stream_write_value32);
+    return d;
+  }();
+  if (loaded.launch_host_func == nullptr || loaded.mem_host_register == nullptr ||
+      loaded.mem_host_unregister == nullptr || loaded.mem_host_get_device_pointer == nullptr ||
+      loaded.exchange_capture_mode == nullptr || loaded.init == nullptr ||
+      loaded.ctx_get_current == nullptr || loaded.ctx_set_current == nullptr ||
+      loaded.device_get == nullptr || loaded.primary_ctx_retain == nullptr) {
+    throw OsError("cannot load the CUDA driver (libcuda.so.1) or find its entry points");
+  }
+  return loaded;
+}
+
+void check(CUresult result, const char* what) {
+  if (result != 0) {
+    throw std::runtime_error(std::string(what) + " failed (CUresult " + std::to_string(result) + ")");
+  }
+}
+
+RelaxedCaptureMode::RelaxedCaptureMode() {
+  check(driver().exchange_capture_mode(&mode_), "cuThreadExchangeStreamCaptureMode");
+}
+
+RelaxedCaptureMode::~RelaxedCaptureMode() { driver().exchange_capture_mode(&mode_); }
+
+void ensure_context(int ordinal) {
+  CUcontext current = nullptr;
+  check(driver().ctx_get_current(&current), "cuCtxGetCurrent");
+  if (current != nullptr) return;
+  int device = 0;
+  check(driver().init(0), "cuInit");
+  check(driver().device_get(&device, ordinal), "cuDeviceGet");
+  check(driver().primary_ctx_retain(&current, device), "cuDevicePrimaryCtxRetain");
+  check(driver().ctx_set_current(current), "cuCtxSetCurrent");
+}
+
+bool forked_after_cuda() {
+  const pid_t pid = driver_pid.load();
+  return pid != 0 && pid != ::getpid();
+}
+
+}  // namespace ple

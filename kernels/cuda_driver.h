@@ -1,0 +1,75 @@
+// The CUDA driver, reached with dlopen at run time: the native part needs no
+// CUDA toolkit to build, and does nothing with CUDA on a machine without a
+// driver.  Only the entry points ple uses, with the driver API's types.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+namespace ple {
+
+using CUresult = int;
+using CUstream = void*;
+using CUcontext = void*;
+using CUdeviceptr = unsigned long long;
+using CUhostFn = void (*)(void*);
+
+struct Driver {
+  CUresult (*launch_host_func)(CUstream, CUhostFn, void*) = nullptr;
+  CUresult (*mem_host_register)(void*, size_t, unsigned) = nullptr;
+  CUresult (*mem_host_unregister)(void*) = nullptr;
+  CUresult (*mem_host_get_device_pointer)(CUdeviceptr*, void*, unsigned) = nullptr;
+  CUresult (*exchange_capture_mode)(int*) = nullptr;
+  CUresult (*init)(unsigned) = nullptr;
+  CUresult (*ctx_get_current)(CUcontext*) = nullptr;
+  CUresult (*ctx_set_current)(CUcontext) = nullptr;
+  CUresult (*device_get)(int*, int) = nullptr;
+  CUresult (*primary_ctx_retain)(CUcontext*, int) = nullptr;
+  // Stream memory operations (CUDA 11.7 and later; nullptr with an older
+  // driver): a stream waits for a word to hold a value, or writes one.
+  CUresult (*stream_wait_value32)(CUstream, CUdeviceptr, uint32_t, unsigned) = nullptr;
+  CUresult (*stream_write_value32)(CUstream, CUdeviceptr, uint32_t, unsigned) = nullptr;
+
+  bool has_stream_memory_ops() const {
+    return stream_wait_value32 != nullptr && stream_write_value32 != nullptr;
+  }
+};
+
+// cuStreamWaitValue32's condition that the word equals the value, and
+// cuStreamWriteValue32's default (a memory barrier before the write).
+constexpr unsigned kWaitValueEqual = 0x1;
+constexpr unsigned kWriteValueDefault = 0x0;
+
+// The driver; OsError when libcuda.so.1 or one of the required entry points
+// is missing.
+const Driver& driver();
+
+// Throws std::runtime_error naming `what` unless `result` is CUDA_SUCCESS.
+void check(CUresult result, const char* what);
+
+// Page-locking memory is refused while any stream captures a graph in the
+// default (global) mode; like torch's own allocator, the thread switches to
+// the relaxed mode for the call, which allows it.
+class RelaxedCaptureMode {
+ public:
+  RelaxedCaptureMode();
+  ~RelaxedCaptureMode();
+  RelaxedCaptureMode(const RelaxedCaptureMode&) = delete;
+  RelaxedCaptureMode& operator=(const RelaxedCaptureMode&) = delete;
+
+ private:
+  int mode_ = 2;  // CU_STREAM_CAPTURE_MODE_RELAXED
+};
+
+// Page-locking needs a current context.  A thread that has not used CUDA yet
+// (a host tier placed before any CUDA call, a table closed from another
+// thread) gets the primary context of `ordinal`, the one torch uses for that
+// device, rather than one on a device the process does not use.
+void ensure_context(int ordinal);
+
+// Whether this process is a forked child of one that used the CUDA driver
+// here: its pinned memory and streams are the parent's, and the driver
+// cannot serve it (the child must leave them alone).
+bool forked_after_cuda();
+
+}  // namespace ple

@@ -1,0 +1,30 @@
+// The host gather of a captured CUDA graph, rung by the graph itself.
+//
+// A host node (cuLaunchHostFunc) pays on every replay for a callback from the
+// GPU to a driver thread and for the completion back, about 27 us on an H200
+// by itself.  Instead the graph rings a doorbell: it writes a word of pinned
+// memory (cuStreamWriteValue32), and waits (cuStreamWaitValue32) for a done
+// word that a host thread of ple raises once it has gathered the rows into
+// staging; the graph then lowers the done word for its next replay.  Both
+// are stream memory operations, which graphs capture; neither blocks a host
+// thread of the caller.
+//
+// The one doorbell thread watches every captured gather of the process.  It
+// spins while replays come often, then polls more and more slowly, so that
+// it never keeps a CPU busy while no graph runs (doorbell_gather.cpp gives
+// the times).  It raises the done word whatever the gather did: a failed
+// gather sets the status word (the output is NaN and the next call raises),
+// and never leaves the stream waiting.
+#pragma once
+
+#include "host_gather.h"
+
+namespace ple {
+
+// Enqueues `job`, on the stream that is being captured, as a doorbell ring,
+// a wait for done and its reset.  Returns false, having enqueued nothing,
+// when the driver refuses stream memory operations (the caller then uses a
+// host node).
+bool enqueue_doorbell_gather(const HostGatherJob& job);
+
+}  // namespace ple

@@ -1,0 +1,204 @@
+"""The host gather of a captured CUDA graph, rung by a doorbell
+(kernels/doorbell_gather.cpp) and, where stream memory operations are
+missing or PLE_GRAPH_GATHER=host_func, run by a host node: replays with new
+ids equal the eager operator either way, with tiers and prefetch and on two
+streams; a failed gather gives NaN, the next call raises and the doorbell is
+answered again; a forked child and the process's exit do not hang; and the doorbell thread
+leaves the CPU alone once no graph runs.  Skipped without a GPU; the cases
+that could hang run in a subprocess with a timeout."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import time
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import save_file
+
+import ple
+from ple.kernels.native import native
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+NUM_ROWS = 5000
+MECHANISMS = ("doorbell", "host_func")
+
+
+@pytest.fixture
+def table_path(tmp_path):
+    raw = torch.from_numpy(np.random.default_rng(0).integers(0, 256, (NUM_ROWS, 160), dtype=np.uint8))
+    path = tmp_path / "fp8.safetensors"
+    save_file({"t": raw.view(torch.float8_e4m3fn), "t_scale": torch.tensor(0.5)}, str(path))
+    return path
+
+
+@pytest.fixture
+def table(table_path):
+    with ple.Table.from_safetensors(table_path) as opened:
+        yield opened
+
+
+@pytest.fixture(params=MECHANISMS)
+def mechanism(request, monkeypatch):
+    if request.param == "host_func":
+        monkeypatch.setenv("PLE_GRAPH_GATHER", "host_func")
+    else:
+        monkeypatch.delenv("PLE_GRAPH_GATHER", raising=False)
+    return request.param
+
+
+def random_ids(shape, seed: int) -> torch.Tensor:
+    return torch.from_numpy(np.random.default_rng(seed).integers(0, NUM_ROWS, shape))
+
+
+def capture_gather(table, static_ids: torch.Tensor, dtype=torch.bfloat16):
+    """A graph of the operator on static_ids, and its output."""
+    torch.ops.ple.disk_gather(static_ids, table.handle, dtype)  # compiles the kernel
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = torch.ops.ple.disk_gather(static_ids, table.handle, dtype)
+    return graph, out
+
+
+def assert_same(gpu: torch.Tensor, cpu: torch.Tensor) -> None:
+    torch.testing.assert_close(gpu.cpu(), cpu, rtol=0, atol=0, equal_nan=True)
+
+
+def test_the_mechanism_of_this_machine(monkeypatch):
+    monkeypatch.delenv("PLE_GRAPH_GATHER", raising=False)
+    assert native.graph_gather_mechanism() == "doorbell"  # CUDA 12 and later drivers have memory ops
+    monkeypatch.setenv("PLE_GRAPH_GATHER", "host_func")
+    assert native.graph_gather_mechanism() == "host_func"
+
+
+@pytest.mark.parametrize("n", (16, 3000))
+def test_replays_with_new_ids(table, mechanism, n):
+    static_ids = random_ids((n,), 0).cuda()
+    graph, out = capture_gather(table, static_ids)
+    for seed in range(1, 8):
+        ids = random_ids((n,), seed)
+        static_ids.copy_(ids)
+        graph.replay()
+        assert_same(out, torch.ops.ple.disk_gather(ids, table.handle, torch.bfloat16))
+
+
+def test_replays_with_tiers_and_prefetch(table, mechanism):
+    table.place(device_rows=NUM_ROWS // 3, host_rows=NUM_ROWS // 3, device="cuda")
+    static_ids = random_ids((2048,), 0).cuda()
+    graph, out = capture_gather(table, static_ids)
+    for seed in range(1, 4):
+        ids = random_ids((2048,), seed)
+        table.prefetch(ids)
+        static_ids.copy_(ids)
+        graph.replay()
+        assert_same(out, torch.ops.ple.disk_gather(ids, table.handle, torch.bfloat16))
+    torch.cuda.synchronize()
+    assert table.stats()["prefetch_hits"] >= 1
+
+
+def test_graphs_on_two_streams(table, mechanism):
+    streams = [torch.cuda.Stream(), torch.cuda.Stream()]
+    captured = []
+    for k, stream in enumerate(streams):
+        with torch.cuda.stream(stream):
+            static_ids = random_ids((512,), k).cuda()
+            captured.append((static_ids, *capture_gather(table, static_ids)))
+    for seed in range(10, 16):
+        expected = []
+        for k, (stream, (static_ids, graph, _)) in enumerate(zip(streams, captured)):
+            ids = random_ids((512,), seed + 100 * k)
+            expected.append(torch.ops.ple.disk_gather(ids, table.handle, torch.bfloat16))
+            with torch.cuda.stream(stream):
+                static_ids.copy_(ids)
+                graph.replay()
+        torch.cuda.synchronize()
+        for (_, _, out), want in zip(captured, expected):
+            assert_same(out, want)
+
+
+def test_the_doorbell_thread_rests_when_no_graph_runs(table, monkeypatch):
+    monkeypatch.delenv("PLE_GRAPH_GATHER", raising=False)
+    static_ids = random_ids((16,), 0).cuda()
+    graph, _ = capture_gather(table, static_ids)
+    for _ in range(20):
+        graph.replay()
+    torch.cuda.synchronize()
+    time.sleep(0.5)  # past the spin and the fast polls
+    cpu, wall = time.process_time(), time.perf_counter()
+    time.sleep(1.0)
+    used = (time.process_time() - cpu) / (time.perf_counter() - wall)
+    assert used < 0.2, f"the process used {used:.0%} of a CPU while no graph ran"
+
+
+def run_script(body: str, path, timeout: int = 180) -> subprocess.CompletedProcess:
+    """Runs `body` (path in PATH) in a fresh interpreter; a hang is a failure."""
+    script = textwrap.dedent("""
+        import os, sys
+        import numpy as np, torch
+        import ple
+        PATH = sys.argv[1]
+        def capture(table, static_ids):
+            torch.ops.ple.disk_gather(static_ids, table.handle, torch.bfloat16)
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                out = torch.ops.ple.disk_gather(static_ids, table.handle, torch.bfloat16)
+            return graph, out
+    """) + textwrap.dedent(body)
+    env = {k: v for k, v in os.environ.items() if k != "PLE_GRAPH_GATHER"}
+    try:
+        return subprocess.run([sys.executable, "-c", script, str(path)], capture_output=True,
+                              text=True, timeout=timeout, env=env)
+    except subprocess.TimeoutExpired as hang:
+        pytest.fail(f"the script hung: {hang.stdout}\n{hang.stderr}")
+
+
+def test_a_failed_gather_gives_nan_and_the_next_call_raises(table_path):
+    proc = run_script("""
+        table = ple.Table.from_safetensors(PATH)
+        static_ids = torch.tensor([1, 2], device="cuda")
+        graph, out = capture(table, static_ids)
+        static_ids[1] = 5000
+        graph.replay()
+        torch.cuda.synchronize()
+        assert out.isnan().all(), out
+        try:
+            torch.ops.ple.disk_gather(static_ids[:1], table.handle)
+        except RuntimeError as error:
+            assert "row id 5000 at position 1 is out of range" in str(error), error
+        else:
+            raise AssertionError("the next call did not raise")
+        static_ids[1] = 3
+        graph.replay()  # the doorbell is answered again after a failure
+        torch.cuda.synchronize()
+        assert not out.isnan().any()
+        print("ok")
+    """, table_path)
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stdout + proc.stderr
+
+
+def test_a_forked_child_and_the_process_exit_cleanly(table_path):
+    # sys.exit in the child runs the native part's static destructors, which
+    # must not wait for the parent's doorbell thread.
+    proc = run_script("""
+        table = ple.Table.from_safetensors(PATH)
+        static_ids = torch.tensor([1, 2], device="cuda")
+        graph, out = capture(table, static_ids)
+        graph.replay()
+        torch.cuda.synchronize()
+        pid = os.fork()
+        if pid == 0:
+            sys.exit(7)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 7, status
+        graph.replay()
+        torch.cuda.synchronize()
+        print("ok")
+    """, table_path)
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stdout + proc.stderr
