@@ -84,19 +84,24 @@ inline void cpu_relax() {
 class DoorbellThread {
  public:
   ~DoorbellThread() {
-    // A forked child has the parent's object but not its thread.
-    if (owner_ != ::getpid() || !thread_.joinable()) return;
+    if (thread_ == nullptr) return;
+    if (owner_ != ::getpid()) {
+      // A forked child has the parent's object but not its thread: there is
+      // nothing to stop or join.
+      thread_.release();
+      return;
+    }
     stopping_.store(true);
-    thread_.join();
+    thread_->join();
   }
 
   void watch(std::unique_ptr<DoorbellJob> job) {
     std::lock_guard<std::mutex> lock(mutex_);
     jobs_.push_back(std::move(job));
     if (owner_ != ::getpid()) {  // none yet, or the parent's (in a forked child)
+      thread_.release();
       owner_ = ::getpid();
-      if (thread_.joinable()) thread_.detach();
-      thread_ = std::thread([this] { serve(); });
+      thread_ = std::make_unique<std::thread>([this] { serve(); });
     }
   }
 
@@ -138,7 +143,7 @@ class DoorbellThread {
   std::mutex mutex_;
   std::deque<std::unique_ptr<DoorbellJob>> jobs_;  // grows under mutex_
   std::vector<DoorbellJob*> watched_;  // the doorbell thread's copy of jobs_
-  std::thread thread_;
+  std::unique_ptr<std::thread> thread_;  // released, never destroyed, in a forked child
   pid_t owner_ = 0;
   std::atomic<bool> stopping_{false};
 };
@@ -162,9 +167,8 @@ CUdeviceptr device_address(const std::atomic<uint32_t>& word) {
 
 }  // namespace
 
-bool enqueue_doorbell_gather(const HostGatherJob& job) {
+bool enqueue_doorbell_gather(CUstream stream, const HostGatherJob& job) {
   const Driver& cuda = driver();
-  const auto stream = reinterpret_cast<CUstream>(job.stream);
   auto doorbell = std::make_unique<DoorbellJob>(DoorbellJob{job, word_slabs().take()});
   const CUdeviceptr ring = device_address(doorbell->words->ring);
   const CUdeviceptr done = device_address(doorbell->words->done);

@@ -21,10 +21,10 @@
 
 namespace ple {
 
-// Enqueues `job`, on the stream that is being captured, as a doorbell ring,
+// Enqueues `job` on `stream`, which is being captured, as a doorbell ring,
 // a wait for done and its reset.  Returns false, having enqueued nothing,
 // when the driver refuses stream memory operations (the caller then uses a
 // host node).
-bool enqueue_doorbell_gather(const HostGatherJob& job);
+bool enqueue_doorbell_gather(CUstream stream, const HostGatherJob& job);
 
 }  // namespace ple

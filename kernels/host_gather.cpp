@@ -29,6 +29,9 @@ namespace ple {
 
 namespace {
 
+// By (table, stream).  A captured gather's errors are kept under stream 0,
+// for the next call on any stream: a graph replays on whatever stream it is
+// launched on, not on the one it was captured on.
 std::mutex errors_mutex;
 std::map<std::pair<int64_t, uintptr_t>, std::string> pending_errors;
 
@@ -65,6 +68,12 @@ void run_eager_job(void* data) {
 
 void run_captured_job(void* data) { run_host_gather(*static_cast<HostGatherJob*>(data)); }
 
+// The job as it is kept for replays: its errors under stream 0 (see pending_errors).
+HostGatherJob for_replays(HostGatherJob job) {
+  job.stream = 0;
+  return job;
+}
+
 bool doorbell_wanted() {
   const char* choice = std::getenv("PLE_GRAPH_GATHER");
   return driver().has_stream_memory_ops() && (choice == nullptr || std::strcmp(choice, "host_func") != 0);
@@ -93,8 +102,8 @@ void launch_host_gather(const HostGatherJob& job, bool capturing) {
     eager.release();  // run_eager_job frees it
     return;
   }
-  if (doorbell_wanted() && enqueue_doorbell_gather(job)) return;
-  auto captured = std::make_unique<HostGatherJob>(job);
+  if (doorbell_wanted() && enqueue_doorbell_gather(stream, for_replays(job))) return;
+  auto captured = std::make_unique<HostGatherJob>(for_replays(job));
   check(driver().launch_host_func(stream, run_captured_job, captured.get()), "cuLaunchHostFunc");
   std::lock_guard<std::mutex> lock(captured_mutex);
   captured_jobs.push_back(std::move(captured));
@@ -118,6 +127,7 @@ void unregister_host_memory(void* data, int device) {
 std::string take_host_error(int64_t handle, uintptr_t stream) {
   std::lock_guard<std::mutex> lock(errors_mutex);
   auto it = pending_errors.find({handle, stream});
+  if (it == pending_errors.end()) it = pending_errors.find({handle, 0});
   if (it == pending_errors.end()) return "";
   std::string what = std::move(it->second);
   pending_errors.erase(it);

@@ -15,7 +15,7 @@ namespace ple {
 // the graph it is captured into) may run.
 struct HostGatherJob {
   int64_t handle;
-  uintptr_t stream;
+  uintptr_t stream;  // the CUstream it is enqueued on; its errors are kept under it
   const int64_t* ids;  // written by a device-to-host copy ordered before the job
   int64_t n;
   ResidentRange resident;  // fixed at launch: a captured graph keeps its tiers
@@ -42,8 +42,8 @@ std::string graph_gather_mechanism();
 void register_host_memory(void* data, size_t bytes, int device);
 void unregister_host_memory(void* data, int device);
 
-// The error of a failed host gather of this table on this stream, once; ""
-// when there was none.
+// The error of a failed host gather of this table on this stream, or of one
+// in a graph, once; "" when there was none.
 std::string take_host_error(int64_t handle, uintptr_t stream);
 
 }  // namespace ple
