@@ -5,12 +5,12 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-import gguf
 import torch
 from safetensors import safe_open
 
 from ple.config import GatherConfig
 from ple.formats import OUTPUT_DTYPES
+from ple.gguf_header import read_gguf_header
 from ple.safetensors_tables import PathsLike, read_checkpoint_entries
 from ple.table import Table
 
@@ -28,6 +28,9 @@ GGUF_CONSTANTS = {"layer_multipliers": "qwen4exp.ple.layer_multipliers",
                   "head_vocab_sizes": "qwen4exp.ple.head_vocab_sizes",
                   "head_offsets": "qwen4exp.ple.head_offsets"}
 GGUF_EOS = "qwen4exp.ple.eos_token_id"
+# The PLE layers' decoder indices: its length is the number of layers whose
+# values the arrays above hold back to back.
+GGUF_LAYERS = "qwen4exp.ple.layers"
 
 
 class NGramEmbedding(torch.nn.Module):
@@ -102,11 +105,11 @@ class NGramEmbedding(torch.nn.Module):
         ``qwen4exp.ple.*`` constants (multipliers, head sizes and offsets,
         EOS) replace the derived ones.  The other arguments as in
         :meth:`from_safetensors`."""
-        # The table first: opening it refuses what is not a regular file,
-        # which gguf's reader of the constants would block on (a FIFO).
-        table = Table.from_gguf(path, tensor, config)
+        path = Path(path)
+        header = read_gguf_header(path, keys=(GGUF_LAYERS, GGUF_EOS, *GGUF_CONSTANTS.values()))
+        table = Table._from_gguf_header(path, header, tensor, config)
         try:
-            constants, eos = _gguf_constants(Path(path), ple_layer_index)
+            constants, eos = _gguf_constants(path, header.values, ple_layer_index)
             if eos is not None:
                 hashing_args["eos_id"] = eos
             hashing = _hashing(model_config, ple_layer_index, constants, hashing_args)
@@ -181,26 +184,24 @@ def _safetensors_constants(entries, table: str) -> NGramConstants:
     return NGramConstants.coerce(found)
 
 
-def _gguf_constants(path: Path, ple_layer_index: int) -> tuple[NGramConstants, int | None]:
-    """The file's constants of PLE layer ``ple_layer_index`` and its EOS
-    token.  An array holds the layers' values back to back."""
-    fields = gguf.GGUFReader(path).fields
-    layers = fields.get("qwen4exp.ple.layers")
-    num_layers = len(layers.contents()) if layers is not None else 1
+def _gguf_constants(path: Path, values: dict, ple_layer_index: int
+                    ) -> tuple[NGramConstants, int | None]:
+    """The constants of PLE layer ``ple_layer_index`` among a GGUF file's
+    key-values ``values``, and its EOS token.  An array holds the layers'
+    values back to back."""
+    layers = values.get(GGUF_LAYERS)
+    num_layers = len(layers) if isinstance(layers, list) else 1
     found = {}
     for name, key in GGUF_CONSTANTS.items():
-        field = fields.get(key)
-        if field is None:
+        if key not in values:
             continue
-        values = field.contents()
-        values = values if isinstance(values, list) else [values]
-        if len(values) % num_layers:
-            raise ValueError(f"{path}: {key} has {len(values)} values, not a whole number for "
+        field = values[key] if isinstance(values[key], list) else [values[key]]
+        if len(field) % num_layers:
+            raise ValueError(f"{path}: {key} has {len(field)} values, not a whole number for "
                              f"{num_layers} PLE layers")
-        per_layer = len(values) // num_layers
+        per_layer = len(field) // num_layers
         if ple_layer_index >= num_layers:
             raise ValueError(f"{path}: {key} holds {num_layers} PLE layers' values, so there is no "
                              f"ple_layer_index {ple_layer_index}")
-        found[name] = [int(v) for v in values[ple_layer_index * per_layer:(ple_layer_index + 1) * per_layer]]
-    eos = fields.get(GGUF_EOS)
-    return NGramConstants.coerce(found), None if eos is None else int(eos.contents())
+        found[name] = field[ple_layer_index * per_layer:(ple_layer_index + 1) * per_layer]
+    return NGramConstants.coerce(found), values.get(GGUF_EOS)

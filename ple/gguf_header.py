@@ -22,6 +22,8 @@ from .safetensors_header import TensorEntry
 
 # Sizes of GGUF's scalar value types (gguf.GGUFValueType), by type number.
 SCALAR_BYTES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+# The integer types among them (unsigned, then signed), which read_gguf_header returns.
+UNSIGNED_INTEGERS, SIGNED_INTEGERS = (0, 2, 4, 10), (1, 3, 5, 11)
 UINT32, STRING, ARRAY = 4, 8, 9
 # The fewest bytes a tensor info takes: name length, dimension count (of no
 # dimensions), type, offset.
@@ -79,6 +81,20 @@ class _Walk:
         except UnicodeDecodeError:
             raise self.bad(f"{what} {raw[:64]!r} is not UTF-8", at) from None
 
+    def integers(self, kind: int, key: str, at: int) -> int | list[int]:
+        """A value of an integer type ``kind``, or an array of one."""
+        if kind == ARRAY:
+            item, count = self.number(4), self.number(8)
+            if item not in UNSIGNED_INTEGERS + SIGNED_INTEGERS:
+                raise self.bad(f"{key} is an array of value type {item}, not of integers", at)
+            if count * SCALAR_BYTES[item] > self.left():
+                raise self.bad(f"an array of {count} items does not fit")
+            return [self.integers(item, key, at) for _ in range(count)]
+        if kind not in UNSIGNED_INTEGERS + SIGNED_INTEGERS:
+            raise self.bad(f"{key} is of value type {kind}, not an integer", at)
+        return int.from_bytes(self.take(SCALAR_BYTES[kind]), "little",
+                              signed=kind in SIGNED_INTEGERS)
+
     def value(self, kind: int) -> bytes | None:
         """Skips a value of type ``kind``; returns the bytes of a scalar."""
         if kind in SCALAR_BYTES:
@@ -100,8 +116,10 @@ class _Walk:
         return None
 
 
-def _walk_header(path: Path, header: bytes) -> tuple[list[_TensorInfo], int, int]:
-    """The tensor infos, the alignment and where the data section starts."""
+def _walk_header(path: Path, header: bytes, wanted: frozenset[str]
+                 ) -> tuple[list[_TensorInfo], int, int, dict[str, int | list[int]]]:
+    """The tensor infos, the alignment, where the data section starts, and
+    the values of the integer keys in ``wanted`` that the file has."""
     if header[:4] != b"GGUF":  # the caller turned away files under 24 bytes
         raise ValueError(f"{path}: not a readable GGUF file: no GGUF magic and counts")
     walk = _Walk(path, header)
@@ -120,6 +138,7 @@ def _walk_header(path: Path, header: bytes) -> tuple[list[_TensorInfo], int, int
                          f"key-value pairs cannot fit in {len(header)} bytes")
     keys = set(RESERVED_KEYS)
     alignment = DEFAULT_ALIGNMENT
+    values = {}
     for _ in range(pairs):
         at = walk.at
         key = walk.text("a key")
@@ -129,6 +148,9 @@ def _walk_header(path: Path, header: bytes) -> tuple[list[_TensorInfo], int, int
                            at)
         keys.add(key)
         kind = walk.number(4)
+        if key in wanted:
+            values[key] = walk.integers(kind, key, at)
+            continue
         value = walk.value(kind)
         if key == "general.alignment":
             if kind != UINT32:
@@ -152,7 +174,7 @@ def _walk_header(path: Path, header: bytes) -> tuple[list[_TensorInfo], int, int
         ggml_type, offset = walk.number(4), walk.number(8)
         infos.append(_TensorInfo(name, dims, ggml_type, offset, at))
     data_start = walk.at + -walk.at % alignment
-    return infos, alignment, data_start
+    return infos, alignment, data_start, values
 
 
 def _entry(path: Path, info: _TensorInfo, alignment: int, data_start: int,
@@ -194,10 +216,20 @@ def _entry(path: Path, info: _TensorInfo, alignment: int, data_start: int,
     return TensorEntry(path, info.name, ggml_type.name, tuple(reversed(info.dims)), begin, nbytes)
 
 
-def read_gguf_tensors(path: Path) -> dict[str, TensorEntry]:
+@dataclass(frozen=True)
+class GGUFHeader:
+    """What read_gguf_header found: the tensors by name, and the integer
+    key-values asked for (an array as a list)."""
+    tensors: dict[str, TensorEntry]
+    values: dict[str, int | list[int]]
+
+
+def read_gguf_header(path: Path, keys=()) -> GGUFHeader:
     """The tensors of one GGUF file by name, shapes in row-major order (rows
-    first) and dtype the GGML type's name.  Raises OSError when the file cannot
-    be read and ValueError, naming the file (and the tensor), when it is not a
+    first) and dtype the GGML type's name, and the values of those of
+    ``keys`` that the file has (integers, or arrays of integers; a key of
+    another type is a ValueError).  Raises OSError when the file cannot be
+    read and ValueError, naming the file (and the tensor), when it is not a
     regular file or not a valid GGUF file."""
     # OSError for a missing or unreadable file, ValueError for one that is not
     # a regular file (a FIFO would block the open).
@@ -208,7 +240,8 @@ def read_gguf_tensors(path: Path) -> dict[str, TensorEntry]:
         # Mapped, not read: the walk touches the header's pages only.
         with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as header:
             try:
-                infos, alignment, data_start = _walk_header(path, header)
+                infos, alignment, data_start, values = _walk_header(path, header, frozenset(keys))
             except RecursionError:  # arrays of arrays nested deeper than Python recurses
                 raise ValueError(f"{path}: corrupt GGUF header: arrays nested too deep") from None
-    return {info.name: _entry(path, info, alignment, data_start, file_size) for info in infos}
+    tensors = {info.name: _entry(path, info, alignment, data_start, file_size) for info in infos}
+    return GGUFHeader(tensors, values)

@@ -18,7 +18,7 @@ from .kernels.native import native
 from .config import GatherConfig
 from .counters import COUNTERS
 from .formats import BY_GGUF_TYPE, RowFormat, check_row_bytes
-from .gguf_header import read_gguf_tensors
+from .gguf_header import GGUFHeader, read_gguf_header
 from .safetensors_header import TensorEntry
 # SHARD_NAME and read_checkpoint_entries are importable from here too (as
 # PathsLike and TensorEntry are), for the modules that took them from here.
@@ -144,7 +144,14 @@ class Table:
         rows: F32, F16, BF16, or the block formats Q8_0, Q4_0, IQ4_NL, Q4_K and
         Q6_K, kept packed and decoded only for the rows gathered."""
         path = Path(path)
-        entries = read_gguf_tensors(path)
+        return cls._from_gguf_header(path, read_gguf_header(path), tensor, config)
+
+    @classmethod
+    def _from_gguf_header(cls, path: Path, header: GGUFHeader, tensor: str,
+                          config: GatherConfig | None) -> "Table":
+        """from_gguf with the file's header read already (a layer that needs
+        its key-values too reads it once)."""
+        entries = header.tensors
         if tensor not in entries:
             candidates = sorted(n for n, e in entries.items() if len(e.shape) == 2)
             raise ValueError(f"{path}: no tensor named {tensor!r}; 2-D tensors: {candidates}")

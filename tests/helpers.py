@@ -118,6 +118,21 @@ def write_byte_table(paths: list[Path], shard_rows: list[int], row_bytes: int, *
                      np.array(row_offset, dtype=np.int64))
 
 
+def write_arange_table(path: Path, rows: int, cols: int, name: str = "t") -> Path:
+    """A float32 table whose row i holds i * cols .. i * cols + cols - 1."""
+    save_file({name: torch.arange(rows * cols, dtype=torch.float32).reshape(rows, cols)}, str(path))
+    return path
+
+
+def write_fp8_table(path: Path, rows: int = 5000, seed: int = 0) -> Path:
+    """A table of 160 B FP8 rows of random bytes (none NaN, so that outputs
+    compare with ==) and a scale of 0.5."""
+    raw = torch.from_numpy(np.random.default_rng(seed).integers(0, 256, (rows, 160), dtype=np.uint8))
+    raw[(raw & 0x7F) == 0x7F] ^= 1
+    save_file({"t": raw.view(torch.float8_e4m3fn), "t_scale": torch.tensor(0.5)}, str(path))
+    return path
+
+
 def write_gguf(path, tensors: dict) -> None:
     """A GGUF file of ``{name: (data, GGMLQuantizationType)}``; F32 and F16
     data are numpy arrays of values, other types raw block bytes."""

@@ -7,15 +7,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from safetensors.torch import save_file
 
 import ple
+from helpers import write_arange_table
 
 
 @pytest.fixture
 def table(tmp_path):
-    path = tmp_path / "t.safetensors"
-    save_file({"ngram_rows": torch.arange(40, dtype=torch.float32).reshape(10, 4)}, str(path))
+    path = write_arange_table(tmp_path / "t.safetensors", rows=10, cols=4, name="ngram_rows")
     with ple.Table.from_safetensors(path) as table:
         yield table
 

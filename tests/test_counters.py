@@ -6,18 +6,16 @@ from __future__ import annotations
 
 import pytest
 import torch
-from safetensors.torch import save_file
 
 import ple
+from helpers import write_arange_table
 from ple.counters import TIER_COUNTERS
 from ple.kernels.native import native
 
 
 @pytest.fixture
 def table(tmp_path):
-    f = tmp_path / "t.safetensors"
-    save_file({"t": torch.arange(4000, dtype=torch.float32).reshape(1000, 4)}, str(f))
-    with ple.Table.from_safetensors(f) as table:
+    with ple.Table.from_safetensors(write_arange_table(tmp_path / "t.safetensors", 1000, 4)) as table:
         yield table
 
 

@@ -13,6 +13,7 @@ import torch
 from safetensors.torch import save_file
 
 import ple
+from helpers import write_fp8_table
 from ple.formats import FORMATS
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -43,12 +44,7 @@ def table(request, tmp_path_factory):
 
 @pytest.fixture
 def fp8_table(tmp_path):
-    raw = torch.from_numpy(np.random.default_rng(0).integers(0, 256, (5000, 160), dtype=np.uint8))
-    raw[(raw & 0x7F) == 0x7F] ^= 1  # no NaN: opcheck compares outputs with ==
-    rows = raw.view(torch.float8_e4m3fn)
-    path = tmp_path / "fp8.safetensors"
-    save_file({"t": rows, "t_scale": torch.tensor(0.5)}, str(path))
-    with ple.Table.from_safetensors(path) as opened:
+    with ple.Table.from_safetensors(write_fp8_table(tmp_path / "fp8.safetensors")) as opened:
         yield opened
 
 

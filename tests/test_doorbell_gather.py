@@ -18,9 +18,8 @@ import time
 import numpy as np
 import pytest
 import torch
-from safetensors.torch import save_file
-
 import ple
+from helpers import write_fp8_table
 from ple.kernels.native import native
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -31,10 +30,7 @@ MECHANISMS = ("doorbell", "host_func")
 
 @pytest.fixture
 def table_path(tmp_path):
-    raw = torch.from_numpy(np.random.default_rng(0).integers(0, 256, (NUM_ROWS, 160), dtype=np.uint8))
-    path = tmp_path / "fp8.safetensors"
-    save_file({"t": raw.view(torch.float8_e4m3fn), "t_scale": torch.tensor(0.5)}, str(path))
-    return path
+    return write_fp8_table(tmp_path / "fp8.safetensors", NUM_ROWS)
 
 
 @pytest.fixture

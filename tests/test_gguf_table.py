@@ -13,6 +13,7 @@ from ple.formats import BY_GGUF_TYPE
 gguf = pytest.importorskip("gguf")
 from gguf import GGMLQuantizationType as Q  # noqa: E402
 from helpers import write_gguf  # noqa: E402
+from ple.gguf_header import read_gguf_header  # noqa: E402
 
 ROWS, COLS = 37, 512  # 2 blocks of 256 per row for the K-quants
 rng = np.random.default_rng(0)
@@ -240,3 +241,23 @@ def test_a_table_of_no_rows_of_huge_width_raises_index_error(tmp_path):
         with pytest.raises(IndexError, match=r"row id 3 at position 0 is out of range \[0, 0\)"):
             table.gather_bytes(torch.tensor([3]))
         assert table.gather_bytes(torch.tensor([], dtype=torch.int64)).shape == (0, table.row_bytes)
+
+
+def test_header_values_equal_the_gguf_readers(tmp_path):
+    path = tmp_path / "kv.gguf"
+    writer = gguf.GGUFWriter(str(path), "qwen4exp")
+    writer.add_uint32("a.u32", 7)
+    writer.add_int64("a.i64", -5)
+    writer.add_array("a.ints", [3, -1, 2**31 - 1])
+    writer.add_string("a.text", "not an integer")
+    writer.add_tensor("t", np.zeros((2, 4), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    header = read_gguf_header(path, keys=("a.u32", "a.i64", "a.ints", "a.missing"))
+    fields = gguf.GGUFReader(path).fields
+    assert header.values == {key: fields[key].contents() for key in ("a.u32", "a.i64", "a.ints")}
+    assert list(header.tensors) == ["t"]
+    with pytest.raises(ValueError, match=r"a.text is of value type 8, not an integer"):
+        read_gguf_header(path, keys=("a.text",))

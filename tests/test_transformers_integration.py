@@ -30,18 +30,13 @@ from ple.integrations.transformers import (ScaledDiskEmbedding, auto_names,  # n
                                            from_pretrained, offload, tables)
 from ple.layers import DiskEmbedding  # noqa: E402
 from ple.table import _open_tables  # noqa: E402
+from ple_tools.bench_transformers import MODEL_CONFIG  # noqa: E402
 
-QWEN_CONFIG = dict(
-    vocab_size=256, hidden_size=64, num_hidden_layers=3,
-    # PLE needs linear-attention layers, the cache an attention layer.
-    layer_types=["linear_attention", "linear_attention", "indexed_attention"],
-    indexer_n_heads=2, indexer_kv_heads=1, indexer_head_dim=32, indexer_budget=8,
-    indexer_compress_ratio=4, num_attention_heads=2, num_key_value_heads=1, head_dim=32,
-    linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2,
-    linear_num_value_heads=2, moe_intermediate_size=32, shared_expert_intermediate_size=32,
-    num_experts=4, num_experts_per_tok=2, hc_count=2, hc_lowrank=8, ple_layer_ids=[1, 2],
-    ple_embed_dim=32, ngram_size=3, heads_per_ngram=2, ngram_vocab_size_base=1000,
-    split_ngram_parts=4, eos_token_id=1, pad_token_id=0, bos_token_id=2)
+# The benchmark's tiny Qwen4Exp, smaller still: 32-wide n-gram rows.
+QWEN_CONFIG = {**MODEL_CONFIG, "vocab_size": 256, "hidden_size": 64, "linear_key_head_dim": 16, "linear_value_head_dim": 16,
+               "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32,
+               "hc_lowrank": 8, "ple_embed_dim": 32, "ngram_vocab_size_base": 1000,
+               "split_ngram_parts": 4}
 GEMMA_CONFIG = dict(
     vocab_size=256, vocab_size_per_layer_input=128, hidden_size=64, hidden_size_per_layer_input=8,
     intermediate_size=128, num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=1,
