@@ -21,7 +21,6 @@ bandwidths.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -233,12 +232,21 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--cold-calls", type=int, default=8,
                         help="timed calls per cold measurement, each after the table's pages "
                         "are dropped (default 8)")
-    parser.add_argument("--json", type=Path, metavar="PATH", help="also write the results as JSON")
+    parser.add_argument("--json", type=Path, metavar="PATH",
+                        help="also write the run as a JSON document (tools/figures.py)")
     return parser.parse_args(argv)
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    from ple_tools.figures import recording
+
+    with recording(args.json, "bench_gpu", argv) as record:
+        status, record.results = run(args)
+    return status
+
+
+def run(args: argparse.Namespace) -> tuple[int, dict | None]:
     import torch
 
     import ple
@@ -251,7 +259,7 @@ def main(argv=None) -> int:
 
     if not torch.cuda.is_available():
         print("ple-bench-gpu needs a CUDA device, and torch sees none", file=sys.stderr)
-        return 2
+        return 2, None
     num_rows = int(args.mib * 2**20) // ROW_BYTES
     ensure_table(args.table, rows=num_rows, row_bytes=ROW_BYTES, shards=1, files=1)
     device = torch.device("cuda")
@@ -347,10 +355,7 @@ def main(argv=None) -> int:
         host.free()
 
     report(machine, results, threads, tiers)
-    if args.json is not None:
-        args.json.write_text(json.dumps({"machine": machine, "cases": results, "threads": threads,
-                                         "tiers": tiers}, indent=1) + "\n")
-    return 0
+    return 0, {"machine": machine, "cases": results, "threads": threads, "tiers": tiers}
 
 
 def report(machine: dict, results: list[dict], threads: list[dict], tiers: list[dict]) -> None:

@@ -83,11 +83,21 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="ms of sleep after each forward, standing for the rest of the "
                         "model's step (default 50)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the tokens (default 0)")
+    parser.add_argument("--json", type=Path, metavar="PATH",
+                        help="also write the run as a JSON document (tools/figures.py)")
     return parser.parse_args(argv)
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    from ple_tools.figures import recording
+
+    with recording(args.json, "bench_layers", argv) as record:
+        status, record.results = run(args)
+    return status
+
+
+def run(args: argparse.Namespace) -> tuple[int, list[dict]]:
     import torch
 
     from ple.layers import NGramEmbedding
@@ -117,10 +127,10 @@ def main(argv=None) -> int:
         if not all(torch.equal(a.view(torch.int16), b.view(torch.int16))
                    for a, b in zip(reference, r["outputs"])):
             print(f"FAIL: mode {r['mode']} returned other values than cold", file=sys.stderr)
-            return 1
+            return 1, None
     print("every mode returned the same values", file=sys.stderr)
     layer.table.close()
-    return 0
+    return 0, [{k: v for k, v in r.items() if k != "outputs"} for r in results]
 
 
 if __name__ == "__main__":

@@ -379,13 +379,21 @@ def main(argv=None) -> int:
     parser.add_argument("--seed", type=int, default=0, help="of the prompts (default 0)")
     parser.add_argument("--timeout", type=float, default=1200, help="seconds per arm")
     parser.add_argument("--offload-dir", type=Path, help="where disk-offload writes (default --dir)")
-    parser.add_argument("--json", type=Path, help="write the results as JSON")
+    parser.add_argument("--json", type=Path, metavar="PATH",
+                        help="also write the run as a JSON document (tools/figures.py)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
         print(json.dumps(run_arm(json.loads(args.child))))
         return 0
+    from ple_tools.figures import recording
 
+    with recording(args.json, "bench_transformers", argv) as record:
+        status, record.results = run(args, parser)
+    return status
+
+
+def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[int, dict]:
     import torch
 
     dtype = getattr(torch, DTYPES[args.dtype])
@@ -421,12 +429,7 @@ def main(argv=None) -> int:
               f"{r['first_token_s']:>15.3f}{r['ms_per_token']:>10.1f}"
               f"{r['ms_per_token_again']:>8.1f}{gib(r['disk_read_bytes']):>15}{same}")
     ok = all(r.get("tokens", reference) == reference for r in results)
-    if args.json:
-        args.json.write_text(json.dumps({"checkpoint": info, "args": vars(args) | {
-            "dir": str(args.dir), "json": str(args.json), "offload_dir": str(args.offload_dir)},
-            "cpus": os.cpu_count(), "torch": torch.__version__, "results": results},
-            indent=2, default=str))
-    return 0 if ok else 1
+    return (0 if ok else 1), {"checkpoint": info, "results": results}
 
 
 if __name__ == "__main__":

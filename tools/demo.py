@@ -125,11 +125,21 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--calls", type=int, default=8, help="calls per arm (default 8)")
     parser.add_argument("--rows", type=int, default=18000, help="ids per call (default 18000)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random ids (default 0)")
+    parser.add_argument("--json", type=Path, metavar="PATH",
+                        help="also write the run as a JSON document (tools/figures.py)")
     return parser.parse_args(argv)
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    from ple_tools.figures import recording
+
+    with recording(args.json, "demo", argv) as record:
+        status, record.results = run(args)
+    return status
+
+
+def run(args: argparse.Namespace) -> tuple[int, list[dict]]:
     import torch
 
     import ple
@@ -150,13 +160,13 @@ def main(argv=None) -> int:
     digests = {r["sha256"] for r in results}
     if len(digests) != 1:
         print(f"FAIL: arms returned different bytes: {digests}", file=sys.stderr)
-        return 1
+        return 1, results
     print(f"\nevery arm returned the same bytes (sha256 {digests.pop()[:16]}...)")
     if all(r["read_mib"] == 0 for r in results):
         print("note: nothing was read from disk; the page cache could not be dropped "
               "(a tmpfs or an overlay without a block device?)")
     print(f"\n{LEGEND}\n{textwrap.fill(conclusion(results), width=96)}")
-    return 0
+    return 0, results
 
 
 if __name__ == "__main__":

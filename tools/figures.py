@@ -1,0 +1,131 @@
+"""Benchmark figures as data, and docs/performance.md made from them.
+
+A tool run with ``--json PATH`` writes one document there: the command that
+ran, the machine, the date, the report it printed and its results.  The
+documents that docs/performance.md shows live in docs/figures/; the page
+names each one between two markers,
+
+    <!-- figures: bench_gpu-h200.json -->
+    ...the document's command and report, as this module renders them...
+    <!-- /figures -->
+
+and ``python tools/figures.py`` rewrites every such block from its document
+(``--check``: exits 1, naming the stale blocks, instead of writing).  The
+prose around the blocks is the page's own.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import io
+import json
+import os
+import platform
+import re
+import shlex
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+PAGE = REPO / "docs" / "performance.md"
+FIGURES = REPO / "docs" / "figures"
+BLOCK = re.compile(r"(<!-- figures: (?P<name>[\w.-]+) -->\n)(?P<body>.*?)(<!-- /figures -->)", re.S)
+
+
+def machine() -> str:
+    """One line on where a tool runs: CPUs, GPU, torch, kernel."""
+    parts = [f"{os.cpu_count()} CPUs"]
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        if torch.cuda.is_available():
+            parts.append(torch.cuda.get_device_name())
+        parts.append(f"torch {torch.__version__}")
+    parts.append(f"Linux {platform.release()}")
+    return ", ".join(parts)
+
+
+class _Tee(io.TextIOBase):
+    def __init__(self, *streams):
+        self.streams = streams
+
+    def write(self, text: str) -> int:
+        for stream in self.streams:
+            stream.write(text)
+        return len(text)
+
+    def flush(self) -> None:
+        for stream in self.streams:
+            stream.flush()
+
+
+class Recording:
+    """What a run records: set ``results`` to the run's figures as data."""
+
+    def __init__(self):
+        self.results = None
+
+
+@contextlib.contextmanager
+def recording(path: Path | None, tool: str, argv: list[str] | None):
+    """Runs the body with its standard output also kept, then writes the
+    document to ``path`` (nothing is kept or written when path is None).
+    ``tool``: the tool's file name in tools/ (``bench_gpu``); ``argv``: its
+    arguments (None: sys.argv's)."""
+    record = Recording()
+    if path is None:
+        yield record
+        return
+    kept = io.StringIO()
+    with contextlib.redirect_stdout(_Tee(sys.stdout, kept)):
+        yield record
+    arguments = sys.argv[1:] if argv is None else argv
+    document = {"command": shlex.join(["python", f"tools/{tool}.py", *arguments]),
+                "machine": machine(), "date": datetime.date.today().isoformat(),
+                "report": kept.getvalue(), "results": record.results}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(document, indent=1) + "\n")
+
+
+def render(document: dict) -> str:
+    """A document as the page shows it: the command and the report, then the machine."""
+    return (f"```\n$ {document['command']}\n{document['report'].rstrip()}\n```\n"
+            f"*{document['machine']}; {document['date']}.*\n")
+
+
+def updated(page: str, figures: Path) -> tuple[str, list[str]]:
+    """The page with every block rendered from its document, and the names
+    of the blocks that changed."""
+    changed = []
+
+    def block(match: re.Match) -> str:
+        name = match["name"]
+        body = render(json.loads((figures / name).read_text()))
+        if body != match["body"]:
+            changed.append(name)
+        return match[1] + body + match[4]
+
+    return BLOCK.sub(block, page), changed
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(
+        description="Rewrites the figure blocks of docs/performance.md from the benchmark "
+                    "documents in docs/figures/.")
+    parser.add_argument("--check", action="store_true",
+                        help="write nothing; exit 1, naming them, if any block is stale")
+    args = parser.parse_args(argv)
+    page, changed = updated(PAGE.read_text(), FIGURES)
+    if args.check:
+        if changed:
+            print(f"stale in {PAGE.name}: {', '.join(changed)} (run python tools/figures.py)")
+            return 1
+        return 0
+    PAGE.write_text(page)
+    print(f"{PAGE.name}: {len(changed)} block(s) rewritten" + (f": {', '.join(changed)}" if changed else ""))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
