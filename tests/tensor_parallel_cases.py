@@ -107,7 +107,10 @@ def replayed(layers, steps) -> list[list[torch.Tensor]]:
         embeddings(layers, static)
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    # thread_local: NCCL's watchdog thread queries its events while this
+    # thread captures, which the default ("global") mode would turn into a
+    # failed capture.
+    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
         outputs = embeddings(layers, static)
     replays = []
     for step in steps:
