@@ -13,7 +13,6 @@ import struct
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +25,7 @@ import torch
 from safetensors.torch import save_file
 
 import ple
+from ple_tools.ranks import run_ranks as run_commands
 
 REPO = Path(__file__).resolve().parents[1]
 PAGE = os.sysconf("SC_PAGESIZE")
@@ -270,33 +270,10 @@ def assert_runs_on_old_gpus(result: dict, cc: int) -> None:
 
 def run_ranks(script: Path, args: list[str], world_size: int, timeout_s: float, logs: Path,
               env: dict[str, str] | None = None) -> None:
-    """Runs ``python script *args RANK WORLD_SIZE`` for every rank at once,
-    each writing its output to ``logs/rank{RANK}.log``, and fails the test
-    with the output of every rank unless all exit 0 within ``timeout_s``.  A
-    rank that fails, or the timeout, ends the others at once: the ranks wait
-    for each other in collectives, so one failure hangs the rest, and a hang
-    is a failure too."""
-    logs.mkdir(parents=True, exist_ok=True)
-    paths = [logs / f"rank{rank}.log" for rank in range(world_size)]
-    workers = []
-    deadline = time.monotonic() + timeout_s
-    try:
-        for rank, path in enumerate(paths):
-            with open(path, "w") as log:
-                workers.append(subprocess.Popen(
-                    [sys.executable, str(script), *args, str(rank), str(world_size)],
-                    stdout=log, stderr=subprocess.STDOUT, env=env))
-        while (any(w.poll() is None for w in workers) and not any(w.poll() for w in workers)
-               and time.monotonic() < deadline):
-            time.sleep(0.05)
-        timed_out = any(w.poll() is None for w in workers) and not any(w.poll() for w in workers)
-    finally:
-        for worker in workers:
-            if worker.poll() is None:
-                worker.kill()
-            worker.wait()
-    if timed_out or any(w.returncode for w in workers):
-        why = f"not done within {timeout_s:g} s" if timed_out else "a rank failed"
-        pytest.fail(f"{why}:\n" + "\n".join(
-            f"--- rank {rank} (exit {worker.returncode}) ---\n{path.read_text()[-6000:]}"
-            for rank, (worker, path) in enumerate(zip(workers, paths))), pytrace=False)
+    """Runs ``python script *args RANK WORLD_SIZE`` for every rank at once
+    (``ple_tools.ranks``: a failed rank or the timeout ends them all) and
+    fails the test with every rank's output unless all exit 0."""
+    run = run_commands([[sys.executable, str(script), *args, str(rank), str(world_size)]
+                        for rank in range(world_size)], timeout_s, logs, env)
+    if not run.ok:
+        pytest.fail(run.describe(), pytrace=False)
