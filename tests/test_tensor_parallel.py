@@ -133,4 +133,4 @@ def test_a_layer_places_its_tiers_from_its_first_served_row(tables):
 
 def test_two_ranks_on_gloo_give_the_embedding_of_one_process(tables, tmp_path):
     run_two_ranks(tables, tmp_path, "gloo", "cpu", WORKER_TIMEOUT_S)
-    check_ranks(tables, tmp_path, 2, "cpu")
+    check_ranks(tables, tmp_path, 2, "cpu", graph=False)

@@ -150,10 +150,10 @@ def run_rank(args: argparse.Namespace) -> int:
     on_gpu = args.device == "cuda"
     device = (torch.device("cuda", args.rank % torch.cuda.device_count()) if on_gpu
               else torch.device("cpu"))
+    if on_gpu:
+        torch.cuda.set_device(device)
     group = None
     if args.world_size > 1:
-        if on_gpu:
-            torch.cuda.set_device(device)
         dist.init_process_group(args.backend, init_method=args.init_method, rank=args.rank,
                                 world_size=args.world_size,
                                 **({"device_id": device} if args.backend == "nccl" else {}))
