@@ -11,7 +11,7 @@ from ple.formats import OUTPUT_DTYPES
 from ple.safetensors_tables import PathsLike
 from ple.table import Table
 
-from .parallel import gather, prefetch
+from .parallel import RowSplit, gather, place, prefetch, served_rows
 
 # disk_gather's dtypes, and float64, which the rows are widened to from float32.
 DTYPES = (*OUTPUT_DTYPES, torch.float64)
@@ -33,17 +33,24 @@ class DiskEmbedding(torch.nn.Module):
     which also moves with ``.to(device)``.  float64 rows are gathered as
     float32 and widened (exactly: every table's values are float32 values).
 
+    ``process_group``: split the table's rows across its ranks
+    (``ple.layers.parallel``); every rank returns the full rows, and
+    :meth:`place` keeps the rank's own rows in its tiers.
+
     The module owns ``table``: :meth:`close` closes it (so does leaving a
     ``with`` block of the module).  Inference only: the
     table has no gradient, and ``max_norm`` is not supported.
     """
 
     def __init__(self, table: Table, dtype: torch.dtype | None = None, *,
-                 padding_idx: int | None = None, device: torch.device | str | None = None):
+                 padding_idx: int | None = None, device: torch.device | str | None = None,
+                 process_group=None):
         super().__init__()
         dtype = table.dtype if dtype is None else dtype
         if dtype not in DTYPES:
             raise TypeError(f"dtype must be one of {DTYPES}, not {dtype}")
+        self.split = None if process_group is None else RowSplit.for_group(table.num_rows,
+                                                                           process_group)
         self.table = table
         self.num_embeddings = table.num_rows
         self.embedding_dim = table.cols
@@ -112,15 +119,27 @@ class DiskEmbedding(torch.nn.Module):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         dtype = self.dtype
         if dtype in OUTPUT_DTYPES:
-            return gather(self.table, ids, dtype, None)
+            return gather(self.table, ids, dtype, self.split)
         if dtype not in DTYPES:  # cast by .to() to a dtype no table's values widen to exactly
             raise TypeError(f"DiskEmbedding gives rows in {DTYPES}, not {dtype}")
-        return gather(self.table, ids, torch.float32, None).to(dtype)
+        return gather(self.table, ids, torch.float32, self.split).to(dtype)
 
     def prefetch(self, ids: torch.Tensor) -> None:
         """Starts reading the rows of a later ``forward`` of ids equal to these
         (on the CPU), so that its gather takes them instead of reading them itself."""
-        prefetch(self.table, ids, None)
+        prefetch(self.table, ids, self.split)
+
+    @property
+    def served_rows(self) -> tuple[int, int]:
+        """``(start, stop)``: the table rows this module gathers in this
+        process, all of them (this rank's, with a split)."""
+        return served_rows(self.split, 0, self.num_embeddings)
+
+    def place(self, device_rows: int = 0, host_rows: int = 0, device=None, progress=None) -> None:
+        """Keeps the first ``device_rows`` rows of :attr:`served_rows` in the
+        memory of ``device`` (a GPU) and the next ``host_rows`` in host memory,
+        as ``Table.place`` does; ``place()`` drops the tiers."""
+        place(self.table, self.served_rows, device_rows, host_rows, device, progress)
 
     def close(self) -> None:
         """Closes the table (unmaps its files); the module cannot run after."""
@@ -134,5 +153,6 @@ class DiskEmbedding(torch.nn.Module):
 
     def extra_repr(self) -> str:
         padding = "" if self.padding_idx is None else f", padding_idx={self.padding_idx}"
+        split = "" if self.split is None else f", {self.split}"
         return (f"{self.num_embeddings}, {self.embedding_dim}, table={self.table.name!r} "
-                f"({self.table.format}), dtype={self.dtype}{padding}")
+                f"({self.table.format}), dtype={self.dtype}{padding}{split}")

@@ -15,7 +15,7 @@ from ple.safetensors_tables import PathsLike, read_checkpoint_entries
 from ple.table import Table
 
 from .ngram_ids import NGramConstants, NGramHashing, decoder_layer
-from .parallel import RowSplit, gather, prefetch
+from .parallel import RowSplit, gather, place, prefetch, served_rows
 
 # The reference checkpoint's table, and where transformers' save_pretrained
 # puts the table of decoder layer {layer}; the layer's constants are buffers
@@ -42,7 +42,8 @@ class NGramEmbedding(torch.nn.Module):
     before capturing a graph by hand, run the layer once on that device.
 
     ``process_group``: split the table's rows across its ranks
-    (``ple.layers.parallel``); every rank returns the full embedding.
+    (``ple.layers.parallel``); every rank returns the full embedding, and
+    :meth:`place` keeps the rank's own rows in its tiers.
     """
 
     def __init__(self, table: Table, hashing: NGramHashing, dtype: torch.dtype = torch.bfloat16,
@@ -148,6 +149,19 @@ class NGramEmbedding(torch.nn.Module):
         (CPU tensors, equal to the ones that forward gets), so that its gather
         takes them instead of reading them itself."""
         prefetch(self.table, self.row_ids(token_ids, seq_ids, context), self.split)
+
+    @property
+    def served_rows(self) -> tuple[int, int]:
+        """``(start, stop)``: the table rows this layer gathers in this
+        process, its hash heads' rows (of them this rank's, with a split)."""
+        return served_rows(self.split, self.hashing.row_offset,
+                           self.hashing.row_offset + self.hashing.rows)
+
+    def place(self, device_rows: int = 0, host_rows: int = 0, device=None, progress=None) -> None:
+        """Keeps the first ``device_rows`` rows of :attr:`served_rows` in the
+        memory of ``device`` (a GPU) and the next ``host_rows`` in host memory,
+        as ``Table.place`` does; ``place()`` drops the tiers."""
+        place(self.table, self.served_rows, device_rows, host_rows, device, progress)
 
     def extra_repr(self) -> str:
         split = "" if self.split is None else f", {self.split}"

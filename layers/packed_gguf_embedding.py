@@ -10,7 +10,7 @@ from ple.config import GatherConfig
 from ple.formats import OUTPUT_DTYPES
 from ple.table import Table
 
-from .parallel import RowSplit, gather, prefetch
+from .parallel import RowSplit, gather, place, prefetch, served_rows
 
 
 class PackedGGUFEmbedding(torch.nn.Module):
@@ -20,7 +20,8 @@ class PackedGGUFEmbedding(torch.nn.Module):
     rows a step gathers are decoded.
 
     ``process_group``: split the table's rows across its ranks
-    (``ple.layers.parallel``); every rank returns the full embedding.
+    (``ple.layers.parallel``); every rank returns the full embedding, and
+    :meth:`place` keeps the rank's own rows in its tiers.
     """
 
     def __init__(self, path: str | os.PathLike, tensor: str = "token_embd.weight",
@@ -48,6 +49,18 @@ class PackedGGUFEmbedding(torch.nn.Module):
         """Starts reading the rows of a later ``forward`` of ids equal to these
         (on the CPU), so that its gather takes them instead of reading them itself."""
         prefetch(self.table, token_ids, self.split)
+
+    @property
+    def served_rows(self) -> tuple[int, int]:
+        """``(start, stop)``: the table rows this layer gathers in this
+        process, all of them (this rank's, with a split)."""
+        return served_rows(self.split, 0, self.num_embeddings)
+
+    def place(self, device_rows: int = 0, host_rows: int = 0, device=None, progress=None) -> None:
+        """Keeps the first ``device_rows`` rows of :attr:`served_rows` in the
+        memory of ``device`` (a GPU) and the next ``host_rows`` in host memory,
+        as ``Table.place`` does; ``place()`` drops the tiers."""
+        place(self.table, self.served_rows, device_rows, host_rows, device, progress)
 
     def extra_repr(self) -> str:
         split = "" if self.split is None else f", {self.split}"

@@ -12,7 +12,9 @@ exactly as one process would.  Ids outside ``[0, N)`` give rows of zeros here,
 where an unsplit gather raises.
 
 The layers call :func:`gather` and :func:`prefetch` with their ``RowSplit``, or
-None when the table is not split.
+None when the table is not split, and :func:`place` to put the rows a rank
+serves in its tiers: a tier of another rank's rows would never be read, as
+every id outside the rank's range is clamped into it.
 """
 
 from __future__ import annotations
@@ -83,6 +85,31 @@ def gather(table: Table, ids: torch.Tensor, dtype: torch.dtype, split: RowSplit 
     rows = split.keep_own_rows(rows, ids)
     dist.all_reduce(rows, group=split.process_group)
     return rows
+
+
+def served_rows(split: RowSplit | None, start: int, stop: int) -> tuple[int, int]:
+    """The rows of ``[start, stop)`` (the rows a layer reads) that this rank
+    gathers: all of them without a split, else those in its range (an empty
+    range at ``start`` or ``stop`` when it has none of them)."""
+    if split is None:
+        return start, stop
+    begin = min(max(start, split.start), stop)
+    return begin, max(begin, min(stop, split.stop))
+
+
+def place(table: Table, rows: tuple[int, int], device_rows: int, host_rows: int, device,
+          progress) -> None:
+    """``table.place`` of tiers from the first of ``rows`` (``served_rows``):
+    ``device_rows`` in the device tier, the next ``host_rows`` in the host
+    tier, at most the rows of ``rows`` together."""
+    start, stop = rows
+    counts = (device_rows, host_rows)
+    # Arguments that are not counts are table.place's to reject, with its message.
+    if all(isinstance(n, int) for n in counts) and sum(counts) > stop - start:
+        raise ValueError(f"ple: device_rows + host_rows = {sum(counts)} is more than the "
+                         f"{stop - start} rows [{start}, {stop}) of table {table.name!r} that "
+                         "this layer gathers here")
+    table.place(device_rows, host_rows, device, progress, first_row=start)
 
 
 def prefetch(table: Table, ids: torch.Tensor, split: RowSplit | None) -> None:

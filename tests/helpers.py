@@ -1,6 +1,7 @@
 """What several test modules need: byte tables written as safetensors files,
 GGUF files written with gguf's writer, Triton kernel modules loaded under the
-interpreter, and kernels compiled for old GPUs in a subprocess."""
+interpreter, kernels compiled for old GPUs in a subprocess, and the ranks of
+a process group run as processes."""
 
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ import torch
 from safetensors.torch import save_file
 
 import ple
+from ple_tools.ranks import run_ranks as run_commands
 
 REPO = Path(__file__).resolve().parents[1]
 PAGE = os.sysconf("SC_PAGESIZE")
@@ -264,3 +266,14 @@ def assert_runs_on_old_gpus(result: dict, cc: int) -> None:
     assert not re.search(r"\bcvt\.[\w.]*(e4m3|e5m2)", ptx)
     assert not re.search(r"\bcvt\.[\w.]*bf16", ptx)
     assert ".ftz" not in ptx
+
+
+def run_ranks(script: Path, args: list[str], world_size: int, timeout_s: float, logs: Path,
+              env: dict[str, str] | None = None) -> None:
+    """Runs ``python script *args RANK WORLD_SIZE`` for every rank at once
+    (``ple_tools.ranks``: a failed rank or the timeout ends them all) and
+    fails the test with every rank's output unless all exit 0."""
+    run = run_commands([[sys.executable, str(script), *args, str(rank), str(world_size)]
+                        for rank in range(world_size)], timeout_s, logs, env)
+    if not run.ok:
+        pytest.fail(run.describe(), pytrace=False)

@@ -3,7 +3,9 @@ checkpoint: tiny random Qwen4Exp and Gemma 3n models built from configs,
 saved with save_pretrained, loaded both ways; logits and greedy generation
 equal to the bit (fp32 and bf16, eager and compiled), offload() on built
 models, named modules, the errors, the tables' counters, .to(), CUDA
-(skipped without a GPU), and the peak memory of loading a 1 GiB table."""
+(skipped without a GPU), the peak memory of loading a 1 GiB table, and two
+gloo ranks of transformers' own tensor parallelism with the tables split by
+rows across them (this file runs as a script once per rank)."""
 
 from __future__ import annotations
 
@@ -25,10 +27,11 @@ from transformers import (Gemma3nForCausalLM, Gemma3nTextConfig, Qwen4ExpForCaus
                           Qwen4ExpTextConfig)
 
 import ple  # noqa: E402
-from helpers import REPO, assert_same_bits, load_module  # noqa: E402
+from helpers import REPO, assert_same_bits, load_module, run_ranks  # noqa: E402
 from ple.integrations.transformers import (ScaledDiskEmbedding, auto_names,  # noqa: E402
                                            from_pretrained, offload, tables)
 from ple.layers import DiskEmbedding  # noqa: E402
+from ple.layers.parallel import row_range  # noqa: E402
 from ple.table import _open_tables  # noqa: E402
 from ple_tools.bench_transformers import MODEL_CONFIG  # noqa: E402
 
@@ -336,6 +339,69 @@ def test_cuda_model_gathers_on_the_gpu(checkpoints, key):
                            reference.generate(ids, max_new_tokens=3, do_sample=False))
 
 
+# ---- tensor parallelism ------------------------------------------------------------
+
+# transformers' tensor parallelism splits the k/v heads across the ranks: the
+# tiny Gemma's one k/v head does not split in two.
+TP_FIELDS = {"qwen4exp": {}, "gemma3n": {"num_key_value_heads": 2}}
+TP_TIMEOUT_S = 300
+
+
+def test_offloaded_modules_leave_the_tp_plan(checkpoints):
+    """Qwen4Exp's plan splits the n-gram tables by columns ("embedding_colwise"),
+    whose hooks would hand ple's gather DTensors; ple takes the rule out."""
+    rule = "model.layers.*.ple.ple_embedding.ngram_embedding"
+    reference, served, _ = load_both(checkpoints, "qwen4exp")
+    assert reference.tp_plan[rule] == "embedding_colwise"
+    assert rule not in served.tp_plan
+    assert {k: v for k, v in reference.tp_plan.items() if k != rule} == served.tp_plan
+
+
+@pytest.mark.parametrize("key", MODELS)
+def test_tensor_parallel_ranks_with_split_tables_equal_transformers(key, tmp_path):
+    """Two gloo ranks load the model with transformers' tensor parallelism
+    (tp_size=2), once as transformers does and once with ple's tables split
+    by rows across the ranks (process_group=): the same logits on every rank,
+    bit for bit."""
+    model_class, config_class, fields, names = MODELS[key]
+    torch.manual_seed(0)
+    model_class(config_class(**{**fields, **TP_FIELDS[key]})).save_pretrained(tmp_path / "model")
+    run_ranks(Path(__file__), [key, str(tmp_path)], 2, TP_TIMEOUT_S, tmp_path / "logs")
+    for rank in range(2):
+        got = torch.load(tmp_path / f"rank{rank}.pt")
+        assert_same_bits(got["served"], got["transformers"])
+        assert got["served_rows"] == {name: row_range(num_rows, rank, 2)
+                                      for name, num_rows in got["num_rows"].items()}
+        assert set(got["served_rows"]) == set(names)
+
+
+def tensor_parallel_rank(key: str, directory: Path, rank: int, world_size: int) -> None:
+    """One rank of the test above: logits of transformers' tensor-parallel
+    model and of ple's, with the tables split across the default group."""
+    import torch.distributed as dist
+    from transformers import DistributedConfig
+
+    transformers.logging.set_verbosity_error()
+    # transformers uses the default group that exists (else it would start
+    # one from torchrun's variables).
+    dist.init_process_group("gloo", init_method=f"file://{directory / 'store'}", rank=rank,
+                            world_size=world_size)
+    try:
+        model_class = MODELS[key][0]
+        parallel = DistributedConfig(tp_size=world_size)
+        reference = model_class.from_pretrained(directory / "model", distributed_config=parallel)
+        served = from_pretrained(model_class, directory / "model", distributed_config=parallel,
+                                 process_group=dist.group.WORLD)
+        with torch.no_grad():
+            saved = {"transformers": reference(prompt()).logits, "served": served(prompt()).logits}
+        modules = {name: served.get_submodule(name) for name in served.ple_offloaded}
+        saved["served_rows"] = {name: module.served_rows for name, module in modules.items()}
+        saved["num_rows"] = {name: module.num_embeddings for name, module in modules.items()}
+        torch.save(saved, directory / f"rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
 # ---- memory -----------------------------------------------------------------------
 
 CHILD = textwrap.dedent("""
@@ -403,3 +469,7 @@ def test_bench_tool_arms_generate_the_same_tokens(tmp_path):
     mtime = (directory / bench.INFO).stat().st_mtime_ns
     assert bench.ensure_checkpoint(directory, 0.005 * 2**30, torch.bfloat16) == info
     assert (directory / bench.INFO).stat().st_mtime_ns == mtime
+
+
+if __name__ == "__main__":
+    tensor_parallel_rank(sys.argv[1], Path(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]))

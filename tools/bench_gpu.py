@@ -41,21 +41,23 @@ def median_us(fn, calls: int, before=None) -> float:
     return by_turns({"fn": fn}, calls, before and (lambda i, name: before(i)))["fn"]
 
 
-def by_turns(arms: dict, calls: int, before=None) -> dict[str, float]:
+def by_turns(arms: dict, calls: int, before=None, sync=None) -> dict[str, float]:
     """Median wall time (us) of each arm's fn(i) and a device synchronize,
     the arms taking turns call by call, so that the machine's drift falls on
-    all of them alike.  before(i, arm), untimed, runs ahead of every call."""
+    all of them alike.  before(i, arm), untimed, runs ahead of every call.
+    ``sync``: waits for the device (default torch.cuda.synchronize)."""
     import torch
 
+    sync = sync or torch.cuda.synchronize
     times = {name: [] for name in arms}
     for i in range(calls):
         for name, fn in arms.items():
             if before is not None:
                 before(i, name)
-            torch.cuda.synchronize()
+            sync()
             start = time.perf_counter()
             fn(i)
-            torch.cuda.synchronize()
+            sync()
             times[name].append(time.perf_counter() - start)
     return {name: statistics.median(t) * 1e6 for name, t in times.items()}
 

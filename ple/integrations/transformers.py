@@ -40,6 +40,16 @@ flatten, only its inner ``ngram_embedding`` is replaced.  Other subclasses of
 ``nn.Embedding`` with a forward of their own are refused, as are tied weights
 (the other side of the tie would need the table in memory) and ``max_norm``.
 
+Several GPUs: ``process_group=`` splits every offloaded table by rows across
+the group's ranks (``ple.layers.parallel``: each rank gathers its own rows,
+an all_reduce sums the shares, every rank gets the whole embedding), and
+``module.place(...)`` keeps a rank's own rows in its tiers.  transformers'
+own tensor parallelism (``tp_plan``) leaves the offloaded modules alone:
+their rules are taken out of the model's plan (Qwen4Exp's would split the
+n-gram table by columns, and its hooks would hand ple's gather DTensors),
+so a table is whole on every rank without ``process_group``, split by rows
+with it.
+
 ``save_pretrained`` of such a model writes it without the offloaded tables
 (they are not parameters): keep the original checkpoint.
 """
@@ -80,8 +90,10 @@ class ScaledDiskEmbedding(DiskEmbedding):
 
     def __init__(self, table: Table, dtype: torch.dtype | None = None, *,
                  embed_scale: torch.Tensor | float, scalar_embed_scale: float | None = None,
-                 padding_idx: int | None = None, device: torch.device | str | None = None):
-        super().__init__(table, dtype, padding_idx=padding_idx, device=device)
+                 padding_idx: int | None = None, device: torch.device | str | None = None,
+                 process_group=None):
+        super().__init__(table, dtype, padding_idx=padding_idx, device=device,
+                         process_group=process_group)
         if isinstance(embed_scale, torch.Tensor):
             self.register_buffer("embed_scale", embed_scale, persistent=False)
         elif isinstance(embed_scale, float):
@@ -123,11 +135,14 @@ def close_tables(model: nn.Module) -> None:
 
 
 def from_pretrained(model_class, path: str | os.PathLike, *, offload: str | Iterable[str] = "auto",
-                    gather_config: GatherConfig | None = None, **kwargs):
+                    gather_config: GatherConfig | None = None, process_group=None, **kwargs):
     """``model_class.from_pretrained(path, **kwargs)`` with the tables of
     ``offload`` ("auto", or module names such as ``"model.embed_tokens"``)
     left in the checkpoint's files and served by ple, each table opened with
-    ``gather_config``.  ``path`` is a local directory of a safetensors
+    ``gather_config`` and split by rows across the ranks of
+    ``process_group`` when given (a ``torch.distributed`` group, which must
+    exist before the call: with ``tp_plan``, initialize the default group
+    first and transformers uses it).  ``path`` is a local directory of a safetensors
     checkpoint (``model.safetensors`` or a sharded one with its index;
     ``subfolder=`` and ``variant=`` are honoured).  The model comes back as a
     ``model_class``; ``model.ple_offloaded`` maps each offloaded module's name
@@ -151,7 +166,8 @@ def from_pretrained(model_class, path: str | os.PathLike, *, offload: str | Iter
     found: dict[str, str] = {}
 
     def swap_in(model):
-        swapped = _swap(model, files, entries, offload, gather_config, kwargs.get("key_mapping"))
+        swapped = _swap(model, files, entries, offload, gather_config, kwargs.get("key_mapping"),
+                        process_group)
         opened.extend(module for module, _ in swapped.values())
         found.update({name: tensor for name, (_, tensor) in swapped.items()})
 
@@ -175,14 +191,17 @@ def from_pretrained(model_class, path: str | os.PathLike, *, offload: str | Iter
 
 def offload(model: nn.Module, path: str | os.PathLike | Iterable[str | os.PathLike],
             names: str | Iterable[str] = "auto", *, gather_config: GatherConfig | None = None,
-            key_mapping: dict[str, str] | None = None) -> dict[str, Table]:
+            key_mapping: dict[str, str] | None = None, process_group=None) -> dict[str, Table]:
     """Swaps the embeddings ``names`` ("auto", or module names) of a model
     already built, on the meta device or not, for :class:`DiskEmbedding`
     modules over their tables in the checkpoint ``path`` (a directory as for
     :func:`from_pretrained`, or safetensors files).  The new modules' buffers
     are on the old weights' device (the CPU for a meta weight).  Returns the
     tables it opened by module name, and records them in
-    ``model.ple_offloaded`` as :func:`from_pretrained` does."""
+    ``model.ple_offloaded`` as :func:`from_pretrained` does.  ``process_group``
+    as for :func:`from_pretrained`; a model that transformers has already
+    distributed keeps the tensor-parallel hooks it installed, so offload
+    before distributing it."""
     if isinstance(path, (str, os.PathLike)) and Path(path).is_dir():
         files = checkpoint_files(Path(path))
     else:
@@ -191,7 +210,8 @@ def offload(model: nn.Module, path: str | os.PathLike | Iterable[str | os.PathLi
         for file in files:
             if not file.is_file():
                 raise FileNotFoundError(f"{file}: no such checkpoint file")
-    swapped = _swap(model, files, read_checkpoint_entries(files), names, gather_config, key_mapping)
+    swapped = _swap(model, files, read_checkpoint_entries(files), names, gather_config, key_mapping,
+                    process_group)
     offloaded = dict(getattr(model, "ple_offloaded", None) or {})
     offloaded.update({name: tensor for name, (_, tensor) in swapped.items()})
     model.ple_offloaded = offloaded
@@ -256,10 +276,13 @@ def auto_names(model: nn.Module) -> list[str]:
 
 
 def _swap(model: nn.Module, files: list[Path], entries: dict[str, TensorEntry], names,
-          gather_config: GatherConfig | None, key_mapping) -> dict[str, tuple[DiskEmbedding, str]]:
+          gather_config: GatherConfig | None, key_mapping, process_group
+          ) -> dict[str, tuple[DiskEmbedding, str]]:
     """Replaces the modules ``names`` of ``model`` with DiskEmbedding modules
-    over their checkpoint tensors.  Returns ``{name: (module, tensor)}``;
-    every table opened is closed again if one of them fails."""
+    over their checkpoint tensors, split across ``process_group`` (None: not
+    split), and takes them out of the model's tensor-parallel plans.  Returns
+    ``{name: (module, tensor)}``; every table opened is closed again if one
+    of them fails."""
     if isinstance(names, str) and names == "auto":
         names = [name for name in auto_names(model)
                  if not isinstance(model.get_submodule(name), DiskEmbedding)]
@@ -274,7 +297,7 @@ def _swap(model: nn.Module, files: list[Path], entries: dict[str, TensorEntry], 
             tensor, files_of_table, reported = where.table_of(name)
             table = Table.from_safetensors(files_of_table, tensor, gather_config)
             try:
-                replacement = _replacement(name, original, table)
+                replacement = _replacement(name, original, table, process_group)
             except BaseException:
                 table.close()
                 raise
@@ -287,7 +310,26 @@ def _swap(model: nn.Module, files: list[Path], entries: dict[str, TensorEntry], 
         for replacement, _ in done.values():
             replacement.close()
         raise
+    _leave_out_of_tp_plans(model, done)
     return done
+
+
+def _leave_out_of_tp_plans(model: nn.Module, names: Iterable[str]) -> None:
+    """Drops the rules of transformers' tensor-parallel plans (``_tp_plan`` of
+    the model and of its submodules, keys relative to each) that name the
+    modules ``names`` or their parameters.  A rule names a module by its
+    name with each layer number as ``*``, so a rule dropped for one layer's
+    module no longer shards that module in the other layers either."""
+    generic = [_generic(name) for name in names]
+    for prefix, module in model.named_modules():
+        plan = getattr(module, "_tp_plan", None)
+        if not isinstance(plan, dict) or not plan:
+            continue
+        prefix = _generic(prefix)
+        relative = [name.removeprefix(f"{prefix}.") for name in generic
+                    if not prefix or name.startswith(f"{prefix}.")]
+        module._tp_plan = {rule: style for rule, style in plan.items()
+                           if not any(rule == name or rule.startswith(f"{name}.") for name in relative)}
 
 
 def _offloadable(model: nn.Module, name: str) -> nn.Embedding:
@@ -330,7 +372,13 @@ def _semantics(name: str, module: nn.Embedding) -> str:
                     "nn.Embedding and transformers' *ScaledWordEmbedding modules")
 
 
-def _replacement(name: str, original: nn.Embedding, table: Table) -> DiskEmbedding:
+def _generic(name: str) -> str:
+    """``name`` with each layer number as ``*``, as transformers' plans name
+    modules (``replace_layer_number_by_wildcard``)."""
+    return re.sub(r"\.\d+(\.|$)", r".*\1", name)
+
+
+def _replacement(name: str, original: nn.Embedding, table: Table, process_group) -> DiskEmbedding:
     want = (original.num_embeddings, original.embedding_dim)
     if (table.num_rows, table.cols) != want:
         raise ValueError(f"{name!r} is an embedding of {want[0]} x {want[1]}, but its table "
@@ -338,7 +386,7 @@ def _replacement(name: str, original: nn.Embedding, table: Table) -> DiskEmbeddi
                          f"{table.num_rows} rows of {table.cols}")
     weight = original.weight
     device = weight.device if weight.device.type != "meta" else torch.device("cpu")
-    kwargs = dict(padding_idx=original.padding_idx, device=device)
+    kwargs = dict(padding_idx=original.padding_idx, device=device, process_group=process_group)
     if _semantics(name, original) == "plain":
         return DiskEmbedding(table, weight.dtype, **kwargs)
     scale = original.embed_scale
