@@ -240,27 +240,34 @@ struct ThreadFaults {
   }
 };
 
-// The request-order copy of one slice starts when the first page of each of
-// its first kWarmSampleRows rows is resident (one mincore call a row): a
+// A thread that copies while warm reads its major faults (a getrusage call,
+// about 0.6 us here) at least every kWarmBatchRows rows: the pages of rows
+// copied between two readings that differ do not count as resident.
+constexpr int64_t kWarmBatchRows = 256;
+
+// The copy in request order of one slice starts when the first page of each
+// of its first kWarmSampleRows rows is resident (one mincore call a row): a
 // cold slice goes to the sorted path at once, without a synchronous fault.
 constexpr int64_t kWarmSampleRows = 4;
 // It copies kGuardRows rows under one SIGBUS guard.  A batch that took
-// longer than kSlowBatch may have waited for the disk: the thread then reads
-// its major faults (a getrusage call, about 0.6 us here, too dear for every
-// batch), and the first batch that faulted ends the copy in request order.
-// A warm batch takes a few us, minor faults included; a major fault, tens.
+// longer than kSlowBatch may have waited for the disk, and the thread reads
+// its major faults after it too; the first reading that shows a fault ends
+// the copy in request order, so that a slice that turns cold pays a batch of
+// synchronous faults at most before its rest is read with advice.  A warm
+// batch takes a few us, minor faults included; a major fault, tens.
 constexpr int64_t kGuardRows = 16;
 constexpr auto kSlowBatch = std::chrono::microseconds(10);
-static_assert(kCheckRows % kGuardRows == 0, "checkpoints fall on batch boundaries");
+static_assert(kCheckRows % kGuardRows == 0 && kWarmBatchRows % kGuardRows == 0,
+              "checkpoints and fault readings fall on batch boundaries");
 
 // Copies rows[0, n) (a slice of the request, in request order) while they
 // look warm, and marks their pages in `marks`.
 class RequestOrderCopy {
  public:
   RequestOrderCopy(const RowRef* rows, int64_t n, int64_t row_bytes, uint8_t* out,
-                   PageMarks& marks, bool count_resident, Interruption& stop)
+                   PageMarks& marks, bool counts_resident, Interruption& stop)
       : rows_(rows), n_(n), row_bytes_(row_bytes), out_(out), marks_(marks),
-        count_resident_(count_resident), checkpoints_(stop) {}
+        counts_resident_(counts_resident), checkpoints_(stop) {}
 
   // Returns how many rows were copied, from the first; the others are left
   // to the sorted path.  Pages of batches copied without a major fault count
@@ -279,18 +286,16 @@ class RequestOrderCopy {
         unconfirmed += mark_pages(k, end);
         k = end;
         const auto now = std::chrono::steady_clock::now();
-        if (now - batch_start > kSlowBatch) {
-          const uint64_t faults = ThreadFaults::now().major;
-          if (faults != faults_seen) break;
-          counters_.resident_pages += unconfirmed;
+        if (now - batch_start > kSlowBatch || k % kWarmBatchRows == 0) {
+          if (ThreadFaults::now().major != faults_seen) break;
+          count_resident(unconfirmed);
           unconfirmed = 0;
         }
         batch_start = now;
       }
     }
     const ThreadFaults after = ThreadFaults::now();
-    if (after.major == faults_seen) counters_.resident_pages += unconfirmed;
-    if (!count_resident_) counters_.resident_pages = 0;
+    if (after.major == faults_seen) count_resident(unconfirmed);
     counters_.major_faults = after.major - before.major;
     counters_.minor_faults = after.minor - before.minor;
     return k;
@@ -306,6 +311,10 @@ class RequestOrderCopy {
       if (::mincore(page, kPage, &resident) != 0 || !(resident & 1)) return false;
     }
     return true;
+  }
+
+  void count_resident(uint64_t pages) {
+    if (counts_resident_) counters_.resident_pages += pages;
   }
 
   // Copies rows [begin, end); when one of them cannot be read, finds it
@@ -348,7 +357,7 @@ class RequestOrderCopy {
   int64_t row_bytes_;
   uint8_t* out_;
   PageMarks& marks_;
-  bool count_resident_;
+  bool counts_resident_;  // the policy advises: resident_pages is counted
   Checkpoints checkpoints_;
   CopyCounters counters_;
 };
@@ -416,7 +425,6 @@ class PageResidency {
 // rows are copied kWarmBatchRows at a time for as long as the thread takes
 // no major fault (one getrusage per batch, not one mincore per page).
 constexpr size_t kWarmSamplePages = 32;
-constexpr int64_t kWarmBatchRows = 256;
 
 // Collects address-adjacent pages so that a run of them costs one madvise.
 class AdviceRun {
