@@ -15,6 +15,7 @@
 #include <cstring>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "fault_guard.h"
@@ -145,6 +146,9 @@ struct GatherScratch {
   std::vector<ChunkScratch> chunks;
   std::vector<CopyCounters> chunk_counters;
   PageMarks marks;
+  // The last gather through this scratch copied every row in request order
+  // without a major fault (see kUnsampledRows).
+  bool last_gather_warm = false;
 };
 
 GatherScratchPool::GatherScratchPool() = default;
@@ -249,6 +253,12 @@ constexpr int64_t kWarmBatchRows = 256;
 // of its first kWarmSampleRows rows is resident (one mincore call a row): a
 // cold slice goes to the sorted path at once, without a synchronous fault.
 constexpr int64_t kWarmSampleRows = 4;
+// A slice of at most kUnsampledRows rows skips the sample when the gather
+// before, through the same scratch, copied everything in request order
+// without a major fault: a decode step's few rows cost less to copy than the
+// mincore calls (about 0.7 us each), and a table that was warm a moment ago
+// mostly still is; one that went cold costs a batch of synchronous faults.
+constexpr int64_t kUnsampledRows = 64;
 // It copies kGuardRows rows under one SIGBUS guard.  A batch that took
 // longer than kSlowBatch may have waited for the disk, and the thread reads
 // its major faults after it too; the first reading that shows a fault ends
@@ -264,9 +274,10 @@ static_assert(kCheckRows % kGuardRows == 0 && kWarmBatchRows % kGuardRows == 0,
 // look warm, and marks their pages in `marks`.
 class RequestOrderCopy {
  public:
+  // `sample`: look at the first rows' residency before starting.
   RequestOrderCopy(const RowRef* rows, int64_t n, int64_t row_bytes, uint8_t* out,
-                   PageMarks& marks, bool counts_resident, Interruption& stop)
-      : rows_(rows), n_(n), row_bytes_(row_bytes), out_(out), marks_(marks),
+                   PageMarks& marks, bool sample, bool counts_resident, Interruption& stop)
+      : rows_(rows), n_(n), row_bytes_(row_bytes), out_(out), marks_(marks), sample_(sample),
         counts_resident_(counts_resident), checkpoints_(stop) {}
 
   // Returns how many rows were copied, from the first; the others are left
@@ -277,7 +288,7 @@ class RequestOrderCopy {
     uint64_t faults_seen = before.major;
     uint64_t unconfirmed = 0;  // pages marked since faults_seen was read
     int64_t k = 0;
-    if (looks_warm()) {
+    if (!sample_ || looks_warm()) {
       auto batch_start = std::chrono::steady_clock::now();
       while (k < n_) {
         if (k % kCheckRows == 0 && k > 0) checkpoints_.at(k, batch_start);
@@ -357,6 +368,7 @@ class RequestOrderCopy {
   int64_t row_bytes_;
   uint8_t* out_;
   PageMarks& marks_;
+  bool sample_;
   bool counts_resident_;  // the policy advises: resident_pages is counted
   Checkpoints checkpoints_;
   CopyCounters counters_;
@@ -808,21 +820,26 @@ void chunk_starts(const RowRef* rows, int64_t n, int64_t row_bytes, int chunks,
 }
 
 // Copies each part's rows in request order while they look warm (not with
-// "all", which advises every cold page before copying).
+// "all", which advises every cold page before copying).  `was_warm`: the
+// gather before was (GatherScratch::last_gather_warm).
 void copy_in_request_order(MappedTable& table, const GatherConfig& config, GatherScratch& scratch,
-                           uint8_t* out, Interruption& stop) {
+                           bool was_warm, uint8_t* out, Interruption& stop) {
   const bool advises = config.policy != Policy::kNone && config.window_bytes > 0;
   run_parallel(
       static_cast<int>(scratch.parts.size()),
       [&](int p) {
         Part& part = scratch.parts[p];
         if (part.end == part.begin) return;
+        const bool sample = !(was_warm && part.end - part.begin <= kUnsampledRows);
         RequestOrderCopy copy(scratch.rows.data() + part.begin, part.end - part.begin,
-                              table.row_bytes(), out, scratch.marks, advises, stop);
+                              table.row_bytes(), out, scratch.marks, sample, advises, stop);
         part.copied = copy.run();
         part.counters = copy.counters();
       },
       [&] { stop.poll_if_due(); });
+  scratch.last_gather_warm = std::all_of(scratch.parts.begin(), scratch.parts.end(), [](const Part& part) {
+    return part.rest() == 0 && part.counters.major_faults == 0;
+  });
 }
 
 // Copies the rows that the copy in request order left, sorted by address and
@@ -868,8 +885,12 @@ void copy_from_disk(MappedTable& table, const GatherConfig& config, int64_t thre
                     GatherScratch& scratch, const void* ids, bool ids_are_int64, uint8_t* out,
                     Interruption& stop) {
   ensure_fault_handler();
+  // False until this gather shows otherwise (and so after one that throws).
+  const bool was_warm = std::exchange(scratch.last_gather_warm, false);
   try {
-    if (config.policy != Policy::kAll) copy_in_request_order(table, config, scratch, out, stop);
+    if (config.policy != Policy::kAll) {
+      copy_in_request_order(table, config, scratch, was_warm, out, stop);
+    }
     copy_sorted(table, config, threads, scratch, out, stop);
   } catch (const RowFault& fault) {
     throw OsError(table.locate(fault.row.address) + ": row " +
