@@ -848,7 +848,6 @@ void copy_sorted(MappedTable& table, const GatherConfig& config, int64_t threads
                  GatherScratch& scratch, uint8_t* out, Interruption& stop) {
   int64_t total = 0;
   for (const Part& part : scratch.parts) total += part.rest();
-  scratch.chunk_counters.clear();
   if (total == 0) return;
   sort_by_address(scratch, total);
   stop.check();
