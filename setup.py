@@ -49,7 +49,7 @@ setup(
                  "ple_tools": "tools"},
     # The sources travel with the package: ple compiles them at import when
     # the built module does not match the running torch.
-    package_data={"ple.kernels": ["*.cpp", "*.h"]},
+    package_data={"ple.kernels": ["*.cpp", "*.h"], "ple_tools": ["*.cpp"]},
     ext_modules=[
         CppExtension(
             f"ple.kernels.{module_name(torch.__version__)}",

@@ -13,8 +13,8 @@ namespace ple {
 namespace {
 
 // Where a guarded copy on this thread jumps back to; null outside one.
-// volatile, and fenced below: the compiler sees that memcpy never reads it
-// and would otherwise drop the store before the copy.
+// volatile, and fenced below: the compiler may see that the copy never reads
+// it and would otherwise drop the store before the copy.
 thread_local sigjmp_buf* volatile active_guard = nullptr;
 
 std::mutex install_mutex;
@@ -80,7 +80,7 @@ void ensure_fault_handler() {
   ::sigaction(SIGBUS, &ours, &previous_handler);
 }
 
-bool guarded_copy(void* dst, const void* src, size_t bytes) {
+bool run_guarded(void (*copy)(void*), void* context) {
   sigjmp_buf guard;
   if (sigsetjmp(guard, 0) != 0) {
     active_guard = nullptr;
@@ -88,10 +88,15 @@ bool guarded_copy(void* dst, const void* src, size_t bytes) {
   }
   active_guard = &guard;
   std::atomic_signal_fence(std::memory_order_seq_cst);
-  std::memcpy(dst, src, bytes);
+  copy(context);
   std::atomic_signal_fence(std::memory_order_seq_cst);
   active_guard = nullptr;
   return true;
+}
+
+bool guarded_copy(void* dst, const void* src, size_t bytes) {
+  auto copy = [&] { std::memcpy(dst, src, bytes); };
+  return run_guarded(copy);
 }
 
 }  // namespace ple

@@ -21,6 +21,19 @@ namespace ple {
 // handler is ours.
 void ensure_fault_handler();
 
+// Runs copy(context) and returns true, or returns false, instead of dying,
+// when the copy touches a page that raises SIGBUS: the copy then stops where
+// it faulted.  A fault jumps out of `copy`, so it must hold nothing that
+// needs a destructor or a lock.  One sigsetjmp for the whole copy: guard a
+// batch of rows at once, and redo the batch row by row to find the row.
+bool run_guarded(void (*copy)(void*), void* context);
+
+// run_guarded of a callable (same rules).
+template <typename Copy>
+bool run_guarded(Copy& copy) {
+  return run_guarded([](void* callable) { (*static_cast<Copy*>(callable))(); }, &copy);
+}
+
 // memcpy that returns false, instead of dying, when the source faults.  The
 // destination may then be partly written.
 bool guarded_copy(void* dst, const void* src, size_t bytes);

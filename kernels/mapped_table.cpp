@@ -5,6 +5,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 
@@ -90,6 +91,12 @@ MappedTable::MappedTable(const std::vector<std::string>& paths,
     throw;
   }
   rows_per_shard_ = shards_.front().rows > 0 ? shards_.front().rows : 1;
+  mapped_begin_ = UINTPTR_MAX;
+  for (const auto& file : files_) {
+    const auto base = reinterpret_cast<uintptr_t>(file.base);
+    mapped_begin_ = std::min(mapped_begin_, base);
+    mapped_end_ = std::max(mapped_end_, base + file.size);
+  }
 }
 
 MappedTable::~MappedTable() {
@@ -103,11 +110,13 @@ void MappedTable::shut_down() { prefetch_.shut_down(); }
 void MappedTable::lock_for_fork() {
   prefetch_.lock_for_fork();
   row_cache_.mutex().lock();
+  scratch_pool_.mutex().lock();
   config_mutex_.lock();
 }
 
 void MappedTable::unlock_after_fork(bool in_child) {
   config_mutex_.unlock();
+  scratch_pool_.mutex().unlock();
   row_cache_.mutex().unlock();
   prefetch_.unlock_after_fork(in_child);
 }

@@ -68,6 +68,11 @@ class MappedTable {
   // "<file>, byte <offset>" of an address inside one of the table's files.
   std::string locate(uintptr_t address) const;
 
+  // The addresses from the lowest file mapping's first byte to the highest
+  // one's end (other mappings may lie between).
+  uintptr_t mapped_begin() const { return mapped_begin_; }
+  uintptr_t mapped_end() const { return mapped_end_; }
+
   GatherConfig config() const;
   // Checks `config` (check_config) and sizes the row cache for it; throws,
   // leaving the settings as they were, when either fails.
@@ -75,6 +80,7 @@ class MappedTable {
 
   GatherCounters& counters() { return counters_; }
   RowCache& row_cache() { return row_cache_; }
+  GatherScratchPool& scratch_pool() { return scratch_pool_; }
 
   // The rows `ids` into `out` (see gather_rows), taken from a pending
   // prefetch of the same ids when there is one (whose rows of resident ids
@@ -105,10 +111,12 @@ class MappedTable {
   int64_t rows_per_shard_ = 0;
   int64_t num_rows_ = 0;
   int64_t row_bytes_ = 0;
+  uintptr_t mapped_begin_ = 0, mapped_end_ = 0;
   mutable std::mutex config_mutex_;
   GatherConfig config_;
   GatherCounters counters_;
   RowCache row_cache_;
+  GatherScratchPool scratch_pool_;
   PrefetchQueue prefetch_;  // last: its thread uses the members above
 };
 

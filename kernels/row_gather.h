@@ -1,15 +1,43 @@
-// The windowed row gather (row_gather.cpp): copies requested rows out of a
-// MappedTable in ascending address order, keeping a bounded amount of
-// MADV_WILLNEED advice ahead of the copy.
+// The row gather (row_gather.cpp): copies requested rows out of a
+// MappedTable, warm rows in request order, rows that may be cold in
+// ascending address order with a bounded amount of MADV_WILLNEED advice
+// ahead of the copy.
 #pragma once
 
 #include <cstdint>
+#include <memory>
+#include <mutex>
+#include <vector>
 
 #include "interrupt.h"
 
 namespace ple {
 
 class MappedTable;
+
+// What a gather keeps from one call to the next (its row list, sort buffers,
+// page marks): defined in row_gather.cpp.
+struct GatherScratch;
+
+// A table's gather scratch, one for each gather that runs at once, so that
+// a call allocates nothing once the table has served calls of its size.
+class GatherScratchPool {
+ public:
+  GatherScratchPool();  // both in row_gather.cpp, where GatherScratch is complete
+  ~GatherScratchPool();
+  GatherScratchPool(const GatherScratchPool&) = delete;
+  GatherScratchPool& operator=(const GatherScratchPool&) = delete;
+
+  // A scratch that no other gather holds, or null when none is free (the
+  // caller makes one and gives it back after).
+  std::unique_ptr<GatherScratch> take();
+  void give_back(std::unique_ptr<GatherScratch> scratch) noexcept;
+  std::mutex& mutex() { return mutex_; }  // for fork: see MappedTable::lock_for_fork
+
+ private:
+  std::mutex mutex_;
+  std::vector<std::unique_ptr<GatherScratch>> free_;
+};
 
 // The rows [begin, end) that the table's device and host tiers hold
 // (Table.resident_range): the gather leaves them to its caller.

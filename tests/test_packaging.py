@@ -51,6 +51,7 @@ def build(copy: Path, out: Path, *flags: str, timeout: int) -> subprocess.Comple
 def expected_files(copy: Path) -> set[str]:
     return ({f"kernels/{p.name}" for p in (copy / "kernels").glob("*.[ch]*") if p.suffix in (".cpp", ".h")}
             | {f"tools/{p.name}" for p in (copy / "tools").glob("*.py")}
+            | {f"tools/{p.name}" for p in (copy / "tools").glob("*.cpp")}  # bench_warm's floor
             | {"kernels/build_flags.py", "LICENSE", "README.md", "pyproject.toml", "setup.py"})
 
 
@@ -88,7 +89,8 @@ def test_build_sdist_and_wheel(tmp_path):
         names = set(archive.namelist())
         info = next(n.split("/")[0] for n in names if n.endswith(".dist-info/entry_points.txt"))
         entry_points = archive.read(f"{info}/entry_points.txt").decode()
-    assert {f"ple_tools/{p.name}" for p in (copy / "tools").glob("*.py")} <= names
+    assert {f"ple_tools/{p.name}" for p in (copy / "tools").glob("*.[pc]*")
+            if p.suffix in (".py", ".cpp")} <= names
     assert any(n.startswith(f"ple/kernels/{module_name(torch.__version__)}.") and n.endswith(".so")
                for n in names), sorted(n for n in names if n.startswith("ple/kernels/"))
     for name, target in SCRIPTS.items():

@@ -447,8 +447,8 @@ def test_an_empty_row_cache_costs_no_memory(small_table):
 
 class ClockModel:
     """The row cache's rule (row_cache.h): a gather looks every disk id up
-    first (a hit marks its slot), then caches the misses in address order
-    (here, one file: id order); slots fill in order, then CLOCK evicts."""
+    first (a hit marks its slot), then caches the misses in request order
+    (a duplicate once); slots fill in order, then CLOCK evicts."""
 
     def __init__(self, capacity: int):
         self.capacity, self.used, self.hand = capacity, 0, 0
@@ -463,7 +463,7 @@ class ClockModel:
             else:
                 self.referenced[slot] = 1
                 hits += 1
-        for i in sorted(misses):
+        for i in misses:
             if i in self.where:
                 continue
             if self.used < self.capacity:
