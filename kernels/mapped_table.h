@@ -13,6 +13,7 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <mutex>
 #include <stdexcept>
 #include <string>
@@ -20,6 +21,7 @@
 
 #include "counters.h"
 #include "gather_config.h"
+#include "io_engines.h"
 #include "prefetch_queue.h"
 #include "row_cache.h"
 #include "row_gather.h"
@@ -37,6 +39,8 @@ struct MappedFile {
   uint8_t* base = nullptr;
   uint64_t size = 0;
 };
+
+class DirectFiles;
 
 struct Shard {
   const uint8_t* data;  // first byte of the shard's first row
@@ -69,9 +73,17 @@ class MappedTable {
   std::string locate(uintptr_t address) const;
 
   GatherConfig config() const;
-  // Checks `config` (check_config) and sizes the row cache for it; throws,
-  // leaving the settings as they were, when either fails.
+  // Checks `config` (check_config) and sizes the row cache for it; with io
+  // "direct", opens the files for direct reads (once; they stay open while
+  // the table lives, for the gathers that still read them) and chooses the
+  // backend (choose_backend).  Throws, leaving the settings as they were,
+  // when any of that fails.
   void set_config(const GatherConfig& config);
+
+  // For io "direct": the files opened with O_DIRECT and the backend that
+  // reads them (set by set_config before any config with io "direct").
+  const DirectFiles& direct_files() const;
+  IoBackend io_backend() const;
 
   GatherCounters& counters() { return counters_; }
   RowCache& row_cache() { return row_cache_; }
@@ -107,6 +119,8 @@ class MappedTable {
   int64_t row_bytes_ = 0;
   mutable std::mutex config_mutex_;
   GatherConfig config_;
+  std::unique_ptr<DirectFiles> direct_files_;  // made by the first config with io "direct"
+  IoBackend io_backend_ = IoBackend::kPread;
   GatherCounters counters_;
   RowCache row_cache_;
   PrefetchQueue prefetch_;  // last: its thread uses the members above

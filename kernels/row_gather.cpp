@@ -14,6 +14,7 @@
 #include <string>
 #include <vector>
 
+#include "direct_reader.h"
 #include "fault_guard.h"
 #include "interrupt.h"
 #include "mapped_table.h"
@@ -529,6 +530,17 @@ std::vector<ChunkCounters> copy_from_disk(MappedTable& table, const GatherConfig
   return results;
 }
 
+// Reads `rows` from the files with O_DIRECT instead (GatherConfig.io "direct").
+DirectCounters read_from_files(MappedTable& table, const GatherConfig& config,
+                               const std::vector<RowRef>& rows, const void* ids,
+                               bool ids_are_int64, uint8_t* out, Interruption& stop) {
+  std::vector<DirectRow> direct(rows.size());
+  for (size_t i = 0; i < rows.size(); ++i) direct[i] = {rows[i].address, rows[i].position};
+  return read_direct(table.direct_files(), table.io_backend(), config.io_queue_depth,
+                     config.threads, table.row_bytes(), direct, out,
+                     [&](int64_t position) { return id_at(ids, ids_are_int64, position); }, stop);
+}
+
 }  // namespace
 
 void gather_rows(MappedTable& table, const void* ids, bool ids_are_int64, int64_t n,
@@ -553,7 +565,10 @@ void gather_rows(MappedTable& table, const void* ids, bool ids_are_int64, int64_
   if (cached) take_cached(cache, ids, ids_are_int64, row_bytes, out, rows);
   const uint64_t cache_hits = disk_rows - rows.size();
   std::vector<ChunkCounters> results;
-  if (!rows.empty()) {
+  DirectCounters direct;
+  if (!rows.empty() && config.io == Io::kDirect) {
+    direct = read_from_files(table, config, rows, ids, ids_are_int64, out, stop);
+  } else if (!rows.empty()) {
     results = copy_from_disk(table, config, threads, rows, ids, ids_are_int64, out, stop);
   }
   // A poll that asked to stop while the last rows were copied still stops
@@ -575,6 +590,9 @@ void gather_rows(MappedTable& table, const void* ids, bool ids_are_int64, int64_
   uint64_t seen = counters.max_advised_ahead_bytes.load();
   while (max_ahead > seen && !counters.max_advised_ahead_bytes.compare_exchange_weak(seen, max_ahead)) {
   }
+  counters.unique_pages += direct.unique_pages;
+  counters.direct_reads += direct.reads;
+  counters.direct_read_bytes += direct.read_bytes;
   if (cached) {
     counters.row_cache_hits += cache_hits;
     counters.row_cache_misses += rows.size();
