@@ -26,7 +26,9 @@ TOOL = ROOT / "tools" / "bench_gather.py"
 FIELDS = ("arm", "state", "ms_median", "ms_min", "ms_max", "rows_per_s",
           "unique_pages_per_call", "read_bytes_per_call", "major_faults_per_call",
           "advised_pages_per_call", "evicted_before_copy_per_call", "sha256", "per_call")
-GATHERING = ("none", "all", "distance:4096", "window:64", "window:4096")
+GATHERING = ("none", "all", "distance:4096", "window:64", "window:4096", "direct",
+             "direct-cache:256")
+DIRECT = ("direct", "direct-cache:256")
 QUICK_ARMS = ([("prime:32", "cold")] + [(a, "cold") for a in GATHERING] + [("ceiling:32", "cold")]
               + [(a, "warm") for a in GATHERING] + [("numpy", "warm")])
 
@@ -81,6 +83,14 @@ def test_quick_reports_ratios_and_no_goals(quick):
         assert cold["time_over_all"] is None and warm["time_over_ceiling"] is None  # no limit; warm
         if arm != "none":
             assert cold["none_over_time"] == pytest.approx(ms[("none", "cold")] / ms[(arm, "cold")])
+        if arm in DIRECT:
+            for state, ratio in (("cold", cold), ("warm", warm)):
+                assert ratio["time_over_window"] == pytest.approx(
+                    ms[(arm, state)] / ms[("window:4096", state)])
+            cpu = {r["arm"]: r["cpu_us_per_page"] for r in doc["arms"] if r["state"] == "cold"}
+            assert cold["cpu_page_over_ceiling"] == pytest.approx(cpu[arm] / cpu["ceiling:32"])
+        else:
+            assert cold["time_over_window"] is None and cold["cpu_page_over_ceiling"] is None
     assert by_arm[("none", "cold")]["none_over_time"] is None
 
 
@@ -125,6 +135,12 @@ def test_quick_cold_arms_read_from_disk(quick):
     assert none["major_faults_per_call"] > 0
     window = next(r for r in doc["arms"] if (r["arm"], r["state"]) == ("window:4096", "cold"))
     assert window["advised_pages_per_call"] > 0
+    for r in doc["arms"]:
+        if r["arm"] in DIRECT and r["state"] == "cold":
+            # no page cache: every call reads all its pages, and faults on none
+            assert r["read_bytes_per_call"] >= r["unique_bytes_per_call"] * 0.99, r["arm"]
+            assert r["major_faults_per_call"] == 0 and r["direct_reads_per_call"] > 0
+            assert r["io_backend"] == "io_uring" and r["cpu_ms_per_call"] > 0
 
 
 def test_memory_limit_without_cgroup_rights_says_so(tmp_path):
