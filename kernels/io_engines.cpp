@@ -90,8 +90,8 @@ class IoUring final : public IoEngine {
     unsubmitted_ += count;
   }
 
-  int reap(IoDone* done, int most, int wait_ms) override {
-    if (unsubmitted_ > 0 || ready() == 0) enter(wait_ms);
+  int reap(IoDone* done, int most, int wanted, int wait_ms) override {
+    if (unsubmitted_ > 0 || ready() < static_cast<uint32_t>(wanted)) enter(wanted, wait_ms);
     uint32_t head = *cq_head_;  // this thread is the only consumer
     const uint32_t tail = __atomic_load_n(cq_tail_, __ATOMIC_ACQUIRE);
     int n = 0;
@@ -106,13 +106,15 @@ class IoUring final : public IoEngine {
  private:
   uint32_t ready() const { return __atomic_load_n(cq_tail_, __ATOMIC_ACQUIRE) - *cq_head_; }
 
-  // Submits what is queued and waits up to wait_ms for a completion when
-  // none is ready (with DEFER_TASKRUN, completions only become ready here).
-  void enter(int wait_ms) {
+  // Submits what is queued and waits up to wait_ms until `wanted`
+  // completions are ready (with DEFER_TASKRUN, completions only become
+  // ready here).
+  void enter(int wanted, int wait_ms) {
     __kernel_timespec timeout{0, static_cast<long long>(wait_ms) * 1000000};
     io_uring_getevents_arg arg{};
     arg.ts = reinterpret_cast<uintptr_t>(&timeout);
-    const unsigned wait_for = ready() == 0 && wait_ms > 0 ? 1 : 0;
+    const uint32_t have = ready();
+    const unsigned wait_for = wait_ms > 0 && have < static_cast<uint32_t>(wanted) ? wanted - have : 0;
     const long submitted = ::syscall(__NR_io_uring_enter, fd_, unsubmitted_, wait_for,
                                      IORING_ENTER_GETEVENTS | IORING_ENTER_EXT_ARG, &arg,
                                      sizeof(arg));
@@ -214,7 +216,7 @@ class Aio final : public IoEngine {
     }
   }
 
-  int reap(IoDone* done, int most, int wait_ms) override {
+  int reap(IoDone* done, int most, int wanted, int wait_ms) override {
     while (!unsubmitted_.empty()) {  // io_submit may take fewer than offered
       const long taken = ::syscall(__NR_io_submit, context_, unsubmitted_.size(), unsubmitted_.data());
       if (taken < 0 && (errno == EAGAIN || errno == EINTR)) break;  // again at the next reap
@@ -222,7 +224,7 @@ class Aio final : public IoEngine {
       unsubmitted_.erase(unsubmitted_.begin(), unsubmitted_.begin() + taken);
     }
     timespec timeout{0, static_cast<long>(wait_ms) * 1000000};
-    const long got = ::syscall(__NR_io_getevents, context_, wait_ms > 0 ? 1 : 0,
+    const long got = ::syscall(__NR_io_getevents, context_, wait_ms > 0 ? wanted : 0,
                                std::min(most, depth()), events_.data(), &timeout);
     if (got < 0 && errno == EINTR) return 0;
     if (got < 0) throw OsError(errno_text("io_getevents", errno));
@@ -263,9 +265,10 @@ class PreadPool final : public IoEngine {
     for (int i = 0; i < count; ++i) work_ready_.notify_one();
   }
 
-  int reap(IoDone* done, int most, int wait_ms) override {
+  int reap(IoDone* done, int most, int wanted, int wait_ms) override {
     std::unique_lock<std::mutex> lock(mutex_);
-    done_ready_.wait_for(lock, std::chrono::milliseconds(wait_ms), [this] { return !done_.empty(); });
+    done_ready_.wait_for(lock, std::chrono::milliseconds(wait_ms),
+                         [&] { return done_.size() >= static_cast<size_t>(wanted); });
     const int n = std::min<int>(most, static_cast<int>(done_.size()));
     std::copy(done_.begin(), done_.begin() + n, done);
     done_.erase(done_.begin(), done_.begin() + n);

@@ -69,9 +69,10 @@ class IoEngine {
   // Starts `reads`; the caller never has more than depth() in flight.
   virtual void submit(const IoRead* reads, int count) = 0;
   // Up to `most` completions of the reads started; waits up to `wait_ms`
-  // for the first (0 when none came in that time).  OsError when the
-  // kernel refuses the call itself (a read's own error is its result).
-  virtual int reap(IoDone* done, int most, int wait_ms) = 0;
+  // for `wanted` of them (fewer, maybe 0, when they did not come in that
+  // time; 0 wanted: only what is there).  OsError when the kernel refuses
+  // the call itself (a read's own error is its result).
+  virtual int reap(IoDone* done, int most, int wanted, int wait_ms) = 0;
 
  private:
   int depth_;
