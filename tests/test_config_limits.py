@@ -67,7 +67,7 @@ def test_fields_defaults_units_and_ranges_are_the_native_parts():
     import dataclasses
     import os
 
-    from ple.config import FIELDS, POLICIES, RANGES
+    from ple.config import FIELDS, IO_MODES, POLICIES, RANGES
     from ple.kernels.native import native
 
     by_name = {entry["name"]: entry for entry in native.CONFIG_FIELDS}
