@@ -244,14 +244,23 @@ class PartRead {
       if (row.file != read.file || row.offset >= end) break;
       const uint64_t from = std::max(row.offset, read.offset);
       const uint64_t to = std::min(row.offset + row_bytes, end);
-      if (to > valid_end) {
-        throw OsError(where(row) + " could not be read (the file ends at byte " +
-                      std::to_string(valid_end) + ", before the row's last byte: it is shorter "
-                      "than when the table was opened)");
-      }
+      if (to > valid_end) throw OsError(where(row) + " could not be read (" + why_short(read, got) + ")");
       std::memcpy(plan_.out + row.position * row_bytes + (from - row.offset),
                   buffer + (from - read.offset), to - from);
     }
+  }
+
+  // Why `read` returned only `got` bytes: the file is shorter now, or (a
+  // disk or filesystem that ends reads early) what the read returned.
+  std::string why_short(const Read& read, uint64_t got) const {
+    const DirectFiles::File& file = plan_.files.files()[read.file];
+    struct stat now;
+    if (::fstat(file.fd, &now) == 0 && static_cast<uint64_t>(now.st_size) < file.size) {
+      return "the file is now " + std::to_string(now.st_size) + " bytes, shorter than the " +
+             std::to_string(file.size) + " it had when the table was opened";
+    }
+    return "an O_DIRECT read of " + std::to_string(read.length) + " bytes at byte " +
+           std::to_string(read.offset) + " returned " + std::to_string(got);
   }
 
   // "<file>, byte <offset>: row <id>", as the mmap gather names a row.
