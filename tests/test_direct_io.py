@@ -492,3 +492,31 @@ print("after: ok")
 """, path, timeout=120, env={**os.environ, "PLE_IO_BACKEND": backend})
     skip_if_early(result)
     expect_ok(result, "KeyboardInterrupt", "after: ok")
+
+
+def test_closing_under_a_direct_prefetch_stops_its_reads(tmp_path):
+    """close() while the table's prefetch reads one block at a time: the
+    prefetch stops (it read far fewer bytes than its blocks), its reads in
+    flight end first, and Python runs on."""
+    path = tmp_path / "t.safetensors"
+    write_rows(path, 4 << 20)
+    result = run_script("""
+from ple_tools.demo import disk_read_bytes
+t = ple.Table.from_safetensors(PATH, config=ple.GatherConfig(io="direct", threads=1,
+                                                             io_queue_depth=1))
+ids = torch.from_numpy(np.random.default_rng(3).integers(0, t.num_rows, 500_000))
+blocks = len(np.unique(ids.numpy() * 64 // 4096)) * 4096   # about: the header shifts them
+read0 = disk_read_bytes()
+t.prefetch(ids)
+time.sleep(0.2)
+t.close()
+read = disk_read_bytes() - read0
+if read >= blocks:
+    print(f"EARLY: the prefetch read all {read} bytes before the close")
+    sys.exit(0)
+print(f"closed after {read} of {blocks} bytes")
+""", path)
+    skip_if_early(result)
+    out = expect_ok(result, "closed after")
+    read, blocks = (int(x) for x in out.split("closed after ")[1].split(" bytes")[0].split(" of "))
+    assert 0 < read < blocks, out
