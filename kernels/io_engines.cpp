@@ -41,8 +41,9 @@ std::atomic<uint64_t> fork_generation{0};
 const int engines_stay_with_the_parent =
     ::pthread_atfork(nullptr, nullptr, [] { fork_generation.fetch_add(1); });
 
-std::string errno_text(const std::string& what, int code) {
-  return what + ": " + std::strerror(code);
+// "direct I/O: <call>: <error>", for an OsError out of a gather.
+std::string errno_text(const std::string& call, int code) {
+  return "direct I/O: " + call + ": " + std::strerror(code);
 }
 
 // ------------------------------------------------------------------ io_uring
@@ -132,7 +133,7 @@ class IoUring final : public IoEngine {
     // Completions are waited for with a timeout (EXT_ARG, 5.11), and both
     // rings share one mapping (SINGLE_MMAP, 5.4).
     if (!(p.features & IORING_FEAT_EXT_ARG) || !(p.features & IORING_FEAT_SINGLE_MMAP)) {
-      throw OsError("io_uring: this kernel lacks wait timeouts (IORING_FEAT_EXT_ARG, Linux 5.11)");
+      throw OsError("direct I/O: io_uring lacks wait timeouts here (IORING_FEAT_EXT_ARG, Linux 5.11)");
     }
     ring_bytes_ = std::max<size_t>(p.sq_off.array + p.sq_entries * sizeof(uint32_t),
                                    p.cq_off.cqes + p.cq_entries * sizeof(io_uring_cqe));
@@ -140,12 +141,12 @@ class IoUring final : public IoEngine {
                    IORING_OFF_SQ_RING);
     if (ring_ == MAP_FAILED) {
       ring_ = nullptr;
-      throw OsError(errno_text("io_uring: mmap of the rings", errno));
+      throw OsError(errno_text("mmap of the io_uring rings", errno));
     }
     sqes_bytes_ = p.sq_entries * sizeof(io_uring_sqe);
     void* sqes = ::mmap(nullptr, sqes_bytes_, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE,
                         fd_, IORING_OFF_SQES);
-    if (sqes == MAP_FAILED) throw OsError(errno_text("io_uring: mmap of the entries", errno));
+    if (sqes == MAP_FAILED) throw OsError(errno_text("mmap of the io_uring entries", errno));
     sqes_ = static_cast<io_uring_sqe*>(sqes);
     auto* base = static_cast<uint8_t*>(ring_);
     sq_tail_ = reinterpret_cast<uint32_t*>(base + p.sq_off.tail);
@@ -164,7 +165,7 @@ class IoUring final : public IoEngine {
     if (::syscall(__NR_io_uring_register, fd_, IORING_REGISTER_PROBE, probe, 256) < 0 ||
         probe->ops_len <= IORING_OP_READ ||
         !(probe->ops[IORING_OP_READ].flags & IO_URING_OP_SUPPORTED)) {
-      throw OsError("io_uring: this kernel cannot read with it (IORING_OP_READ, Linux 5.6)");
+      throw OsError("direct I/O: io_uring cannot read here (IORING_OP_READ, Linux 5.6)");
     }
   }
 
@@ -197,7 +198,11 @@ class IoUring final : public IoEngine {
 class Aio final : public IoEngine {
  public:
   explicit Aio(int depth) : IoEngine(depth), iocbs_(depth), events_(depth) {
-    if (::syscall(__NR_io_setup, depth, &context_) != 0) throw OsError(errno_text("io_setup", errno));
+    if (::syscall(__NR_io_setup, depth, &context_) != 0) {
+      const int code = errno;
+      throw OsError(errno_text("io_setup", code) +
+                    (code == EAGAIN ? " (the system's AIO events, /proc/sys/fs/aio-max-nr, are taken)" : ""));
+    }
   }
 
   ~Aio() override { ::syscall(__NR_io_destroy, context_); }
