@@ -5,7 +5,9 @@
 // whole, read-only and shared, and advised MADV_RANDOM so that a fault reads
 // one page instead of the device's read-ahead window.  The page cache holds
 // whatever the gather brought in; only the row cache (when configured) and
-// pending prefetches keep copies of rows.
+// pending prefetches keep copies of rows.  With io "direct" the gathers read
+// the files themselves with O_DIRECT (direct_reader.h) and never touch the
+// mappings, which stay so that a config can switch back at any time.
 //
 // A table also holds what its gathers share: its settings (gather_config.h),
 // its counters (counters.h), its row cache (row_cache.h) and its prefetches
