@@ -520,3 +520,23 @@ print(f"closed after {read} of {blocks} bytes")
     out = expect_ok(result, "closed after")
     read, blocks = (int(x) for x in out.split("closed after ")[1].split(" bytes")[0].split(" of "))
     assert 0 < read < blocks, out
+
+
+def test_the_operators_decode_the_same_values_from_a_gguf_table(tmp_path, backend):
+    """A GGUF table (the data after a header of arbitrary length) through the
+    operator, decoded: the same bits in both modes."""
+    import gguf
+
+    from helpers import assert_same_bits, write_gguf
+
+    values = np.random.default_rng(4).standard_normal((3000, 48)).astype(np.float32)
+    path = tmp_path / "t.gguf"
+    write_gguf(path, {"emb": (values, gguf.GGMLQuantizationType.F32)})
+    ids = torch.from_numpy(np.random.default_rng(5).integers(0, 3000, (40, 25)))
+    ids[0, :2] = torch.tensor([0, 2999])
+    with ple.Table.from_gguf(path, "emb") as table:
+        mmap_rows = torch.ops.ple.disk_gather(ids, table.handle)
+        table.config = direct(threads=2, row_cache_mib=1)
+        for _ in range(2):  # read, then from the row cache
+            assert_same_bits(torch.ops.ple.disk_gather(ids, table.handle), mmap_rows)
+    assert_same_bits(mmap_rows, torch.from_numpy(values)[ids])
