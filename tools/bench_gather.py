@@ -316,6 +316,8 @@ def main(argv=None) -> int:
         setup += f"; {args.cpu_load} busy processes on {os.cpu_count()} CPUs"
     print(setup, file=sys.stderr)
 
+    # Other jobs on a shared machine load its CPUs as --cpu-load does: say how much.
+    load_before = os.getloadavg()[0]
     results: list[dict] = []
     table = None
     if not pressure:
@@ -327,8 +329,11 @@ def main(argv=None) -> int:
         if table is not None:
             table.close()
 
+    load = (load_before, os.getloadavg()[0])
     print()
     print(setup)
+    print(f"load average (1 min) {load[0]:.2f} before the arms, {load[1]:.2f} after "
+          f"(--cpu-load's processes included)")
     report.print_cgroup_room(results)
     report.print_table(results)
 
@@ -356,7 +361,7 @@ def main(argv=None) -> int:
                          for k, v in vars(args).items() if k != "child"},
             table={"num_rows": layout.num_rows, "row_bytes": args.row_bytes,
                    "files": [str(p) for p in layout.paths], "shard_rows": layout.shard_rows},
-            machine={"cpus": os.cpu_count(), "kernel": platform.release(),
+            machine={"cpus": os.cpu_count(), "kernel": platform.release(), "load_average": load,
                      "torch": torch.__version__},
             results=results, found=found, digests=digests)
         args.json.parent.mkdir(parents=True, exist_ok=True)

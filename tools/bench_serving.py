@@ -289,6 +289,7 @@ def main(argv=None) -> int:
              + (f"memory cap = each child's memory + B ({args.budget} MiB) + {SLACK_MIB} MiB"
                 if capped else f"NO memory cap (no cgroup); row caches of B = {args.budget} MiB"))
     print(setup, file=sys.stderr)
+    load_before = os.getloadavg()[0]  # other jobs of a shared machine
     results = []
     for arm in args.arms.split(","):
         print(f"  {arm} ...", file=sys.stderr, flush=True)
@@ -298,14 +299,16 @@ def main(argv=None) -> int:
         except (RuntimeError, OSError) as error:
             print(f"  {arm} failed: {error}", file=sys.stderr)
             results.append({"arm": arm, "error": str(error)})
+    load = (load_before, os.getloadavg()[0])
     ratios = report(results, setup)
+    print(f"load average (1 min) {load[0]:.2f} before the arms, {load[1]:.2f} after")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({
             "setup": setup, "capped": capped,
             "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()
                      if k != "child"},
-            "machine": {"cpus": os.cpu_count(), "kernel": platform.release()},
+            "machine": {"cpus": os.cpu_count(), "kernel": platform.release(), "load_average": load},
             "arms": results, "ratios": ratios}, indent=1))
         print(f"\nresults written to {args.json}")
     return 1 if any("error" in r for r in results) or not ratios["same_bytes"] else 0
