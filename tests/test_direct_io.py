@@ -540,3 +540,40 @@ def test_the_operators_decode_the_same_values_from_a_gguf_table(tmp_path, backen
         for _ in range(2):  # read, then from the row cache
             assert_same_bits(torch.ops.ple.disk_gather(ids, table.handle), mmap_rows)
     assert_same_bits(mmap_rows, torch.from_numpy(values)[ids])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_the_cuda_operator_reads_directly_eager_and_in_a_graph(tmp_path, backend):
+    """The CUDA operator's host function (a driver thread) reads with its own
+    engine into the pinned staging; eager and on every replay of a graph."""
+    raw = torch.from_numpy(np.random.default_rng(0).integers(0, 256, (5000, 160), dtype=np.uint8))
+    path = tmp_path / "fp8.safetensors"
+    save_file({"t": raw.view(torch.float8_e4m3fn), "t_scale": torch.tensor(0.5)}, str(path))
+    with ple.Table.from_safetensors(path, config=direct(threads=2)) as table:
+        def expected(ids):
+            table.config = GatherConfig()
+            try:
+                return torch.ops.ple.disk_gather(ids, table.handle, torch.float16)
+            finally:
+                table.config = direct(threads=2)
+
+        ids = torch.from_numpy(np.random.default_rng(1).integers(0, 5000, 3000))
+        got = torch.ops.ple.disk_gather(ids.cuda(), table.handle, torch.float16)
+        torch.testing.assert_close(got.cpu(), expected(ids), rtol=0, atol=0, equal_nan=True)
+        static_ids = ids[:256].cuda()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            torch.ops.ple.disk_gather(static_ids, table.handle, torch.float16)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            static_out = torch.ops.ple.disk_gather(static_ids, table.handle, torch.float16)
+        for seed in range(2, 5):
+            ids = torch.from_numpy(np.random.default_rng(seed).integers(0, 5000, 256))
+            static_ids.copy_(ids)
+            graph.replay()
+            torch.cuda.synchronize()
+            torch.testing.assert_close(static_out.cpu(), expected(ids), rtol=0, atol=0,
+                                       equal_nan=True)
+        assert table.stats()["direct_reads"] > 0
