@@ -160,7 +160,7 @@ class PartRead {
  public:
   PartRead(const Plan& plan, size_t begin, size_t end, int share, Interruption& stop)
       : plan_(plan), begin_(begin), end_(end), share_(share), stop_(stop),
-        engine_(thread_engine(plan.backend, share)), slot_read_(share), slot_done_(share),
+        engine_(plan.backend, share), slot_read_(share), slot_done_(share),
         done_(share) {}
 
   ~PartRead() { drain(); }
@@ -182,12 +182,12 @@ class PartRead {
         batch.push_back(io_read(slot));
       }
       if (!batch.empty()) {
-        engine_.submit(batch.data(), static_cast<int>(batch.size()));
+        engine_->submit(batch.data(), static_cast<int>(batch.size()));
         in_flight_ += static_cast<int>(batch.size());
         batch.clear();
       }
       const int wanted = std::max(1, in_flight_ / kReapBatchDivisor);
-      const int got = engine_.reap(done_.data(), share_, wanted, kWaitMs);
+      const int got = engine_->reap(done_.data(), share_, wanted, kWaitMs);
       in_flight_ -= got;
       for (int i = 0; i < got; ++i) {
         if (complete(done_[i].tag, done_[i].result)) {
@@ -204,7 +204,7 @@ class PartRead {
     const Read& read = plan_.reads[slot_read_[slot]];
     const uint32_t done = slot_done_[slot];
     return {plan_.files.files()[read.file].fd, read.offset + done, read.length - done,
-            engine_.buffer(slot) + done, static_cast<uint32_t>(slot)};
+            engine_->buffer(slot) + done, static_cast<uint32_t>(slot)};
   }
 
   // A read of `slot` returned `result`: true when its read is done (its rows
@@ -231,7 +231,7 @@ class PartRead {
       again_.push_back(io_read(slot));
       return false;
     }
-    copy_rows(read, engine_.buffer(static_cast<int>(slot)), got);
+    copy_rows(read, engine_->buffer(static_cast<int>(slot)), got);
     counters_.reads += 1;
     counters_.read_bytes += got;
     return true;
@@ -274,10 +274,10 @@ class PartRead {
 
   void drain() noexcept {
     try {
-      while (in_flight_ > 0) in_flight_ -= engine_.reap(done_.data(), share_, in_flight_, 100);
+      while (in_flight_ > 0) in_flight_ -= engine_->reap(done_.data(), share_, in_flight_, 100);
     } catch (...) {
       // The engine cannot say when its reads end: it must never be used again.
-      abandon_thread_engine(plan_.backend);
+      engine_.abandon();
     }
   }
 
@@ -285,7 +285,7 @@ class PartRead {
   size_t begin_, end_;
   int share_;
   Interruption& stop_;
-  IoEngine& engine_;
+  ThreadEngine engine_;
   std::vector<size_t> slot_read_;     // per buffer: the read it holds
   std::vector<uint32_t> slot_done_;   // per buffer: the bytes already read
   std::vector<IoDone> done_;

@@ -320,10 +320,11 @@ std::unique_ptr<IoEngine> make_engine(IoBackend backend, int depth) {
   return std::make_unique<PreadPool>(depth);
 }
 
-// A thread's engines, one per backend at most.
+// A thread's engines, one per backend at most, and which are in use.
 struct ThreadEngines {
   uint64_t generation = fork_generation.load();
   std::unique_ptr<IoEngine> of[kIoBackends];
+  bool in_use[kIoBackends] = {};
 
   // In a forked child the engines are the parent's: a pool's threads do not
   // exist here and its locks may have been copied held, so nothing of them
@@ -374,18 +375,33 @@ IoBackend choose_backend() {
 
 IoEngine::IoEngine(int depth) : depth_(depth), buffers_(uint64_t{kMaxReadBytes} * depth) {}
 
-IoEngine& thread_engine(IoBackend backend, int depth) {
+ThreadEngine::ThreadEngine(IoBackend backend, int depth) : backend_(backend) {
   engines.leave_if_forked();
-  std::unique_ptr<IoEngine>& engine = engines.of[static_cast<int>(backend)];
+  const int b = static_cast<int>(backend);
+  if (engines.in_use[b]) {
+    own_ = make_engine(backend, depth);
+    engine_ = own_.get();
+    return;
+  }
+  std::unique_ptr<IoEngine>& engine = engines.of[b];
   if (engine == nullptr || engine->depth() < depth) {
     engine.reset();  // first: the old one's memory goes before the new one's comes
     engine = make_engine(backend, depth);
   }
-  return *engine;
+  engine_ = engine.get();
+  engines.in_use[b] = true;
 }
 
-void abandon_thread_engine(IoBackend backend) {
-  engines.of[static_cast<int>(backend)].release();
+ThreadEngine::~ThreadEngine() {
+  if (own_ == nullptr) engines.in_use[static_cast<int>(backend_)] = false;
+}
+
+void ThreadEngine::abandon() {
+  if (own_ != nullptr) {
+    own_.release();
+  } else {
+    engines.of[static_cast<int>(backend_)].release();
+  }
 }
 
 }  // namespace ple

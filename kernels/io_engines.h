@@ -4,7 +4,7 @@
 // io_submit, io_getevents), or a pool of threads doing pread.  The direct
 // reader (direct_reader.h) uses whichever the table chose (choose_backend).
 //
-// An engine belongs to one thread (thread_engine): a gather's threads each
+// An engine belongs to one thread (ThreadEngine): a gather's threads each
 // drive their own, and concurrent gathers never share one.  An engine owns
 // `depth` buffers of kMaxReadBytes, aligned for O_DIRECT, one per read in
 // flight.  Engines do not cross fork(): the child's first direct read on a
@@ -80,11 +80,27 @@ class IoEngine {
 };
 
 // The calling thread's engine of `backend` with at least `depth` buffers,
-// made (or remade larger) on first use; OsError when it cannot be set up.
-IoEngine& thread_engine(IoBackend backend, int depth);
+// for the life of this object: the thread's own, made (or remade larger) on
+// first use, or, while the thread's own is in use further up its stack (a
+// Python signal handler that gathers in the middle of a gather), one made
+// for this object alone.  OsError when it cannot be set up.
+class ThreadEngine {
+ public:
+  ThreadEngine(IoBackend backend, int depth);
+  ~ThreadEngine();
+  ThreadEngine(const ThreadEngine&) = delete;
+  ThreadEngine& operator=(const ThreadEngine&) = delete;
 
-// Forgets the calling thread's engine of `backend` without touching it (its
-// memory stays): for an engine that may still have reads in flight.
-void abandon_thread_engine(IoBackend backend);
+  IoEngine& operator*() const { return *engine_; }
+  IoEngine* operator->() const { return engine_; }
+  // For an engine that may still have reads in flight: it is never used
+  // again, nor destroyed (its buffers stay, for the kernel to write).
+  void abandon();
+
+ private:
+  IoBackend backend_;
+  std::unique_ptr<IoEngine> own_;  // when the thread's engine was in use
+  IoEngine* engine_;
+};
 
 }  // namespace ple

@@ -577,3 +577,34 @@ def test_the_cuda_operator_reads_directly_eager_and_in_a_graph(tmp_path, backend
             torch.testing.assert_close(static_out.cpu(), expected(ids), rtol=0, atol=0,
                                        equal_nan=True)
         assert table.stats()["direct_reads"] > 0
+
+
+def test_a_signal_handler_that_gathers_during_a_direct_gather(tmp_path, backend):
+    """Python runs signal handlers while a gather polls, on the gathering
+    thread: a handler that gathers itself must get a reader of its own, and
+    both gathers their own rows."""
+    path = tmp_path / "t.safetensors"
+    write_rows(path, 1 << 20)
+    result = run_script("""
+t = ple.Table.from_safetensors(PATH, config=ple.GatherConfig(io="direct", threads=1,
+                                                             io_queue_depth=2))
+few = torch.arange(0, t.num_rows, 7919)
+inner = []
+def handler(*_):
+    rows = t.gather_bytes(few)
+    check(few, rows)
+    inner.append(1)
+signal.signal(signal.SIGUSR1, handler)
+stop = threading.Event()
+def send():
+    while not stop.is_set():
+        os.kill(os.getpid(), signal.SIGUSR1)
+        time.sleep(0.06)
+threading.Thread(target=send).start()
+ids = torch.from_numpy(np.random.default_rng(2).integers(0, t.num_rows, 200_000))
+for _ in range(3):
+    check(ids, t.gather_bytes(ids))
+stop.set()
+print("inner gathers:", len(inner) > 0)
+""", path, timeout=120, env={**os.environ, "PLE_IO_BACKEND": backend})
+    expect_ok(result, "inner gathers: True")
