@@ -73,23 +73,32 @@ int64_t open_table(const std::vector<std::string>& paths, const std::vector<int6
   return ple::register_table(std::move(table));
 }
 
-// native.POLICIES: the policies' names, the default first.
-py::tuple policy_names() {
+// The names of a table of named choices (kPolicies, kIoModes), the default first.
+template <typename Entry, size_t N>
+py::tuple choice_names(const Entry (&choices)[N]) {
   py::list names;
-  for (const ple::PolicyName& policy : ple::kPolicies) names.append(policy.name);
+  for (const Entry& choice : choices) names.append(choice.name);
   return py::tuple(names);
 }
 
+// A choice field of GatherConfig: its name, what it chooses (for errors),
+// its default and its choices.
+template <typename Entry, size_t N>
+py::dict choice_field(const char* name, const char* what, const Entry (&choices)[N]) {
+  py::dict field;
+  field["name"] = name;
+  field["what"] = what;
+  field["default"] = choices[0].name;
+  field["choices"] = choice_names(choices);
+  return field;
+}
+
 // native.CONFIG_FIELDS: GatherConfig's fields in order, each a dict of its
-// name and default, and its choices (policy) or its unit, unit_bytes, least
-// and most (the int fields).
+// name and default, and its choices and what they choose (policy, io) or
+// its unit, unit_bytes, least and most (the int fields).
 py::tuple config_fields() {
   py::list fields;
-  py::dict policy;
-  policy["name"] = "policy";
-  policy["default"] = ple::kPolicies[0].name;
-  policy["choices"] = policy_names();
-  fields.append(policy);
+  fields.append(choice_field("policy", "prefetch policy", ple::kPolicies));
   for (const ple::ConfigField& field : ple::kConfigFields) {
     py::dict entry;
     entry["name"] = field.name;
@@ -100,13 +109,26 @@ py::tuple config_fields() {
     entry["most"] = field.most;
     fields.append(entry);
   }
+  fields.append(choice_field("io", "io mode", ple::kIoModes));
   return py::tuple(fields);
 }
 
 // GatherConfig's fields with the sizes in bytes (unit_bytes times the value).
 void configure(int64_t handle, const std::string& policy, uint64_t window_bytes, int threads,
-               uint64_t row_cache_bytes) {
-  ple::find_table(handle)->set_config({ple::parse_policy(policy), window_bytes, threads, row_cache_bytes});
+               uint64_t row_cache_bytes, int io_queue_depth, const std::string& io) {
+  auto table = ple::find_table(handle);
+  const ple::GatherConfig config{ple::parse_policy(policy), window_bytes, threads, row_cache_bytes,
+                                 io_queue_depth, ple::parse_io(io)};
+  py::gil_scoped_release no_gil;  // opening files for direct reads may wait for the disk
+  table->set_config(config);
+}
+
+// What reads a table's rows from its files: "mmap", or the direct-I/O
+// backend ("io_uring", "aio", "pread").
+std::string io_backend(int64_t handle) {
+  auto table = ple::find_table(handle);
+  if (table->config().io == ple::Io::kMmap) return "mmap";
+  return ple::backend_name(table->io_backend());
 }
 
 // ids: contiguous int32/int64 CPU tensor; out: contiguous uint8 CPU tensor of
@@ -163,14 +185,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("torch_version") = PLE_STRINGIFY(PLE_TORCH_VERSION);
   m.attr("MAX_THREADS") = ple::kMaxThreads;
   m.attr("CONFIG_FIELDS") = config_fields();
-  m.attr("POLICIES") = policy_names();
+  m.attr("POLICIES") = choice_names(ple::kPolicies);
+  m.attr("IO_MODES") = choice_names(ple::kIoModes);
   m.attr("COUNTERS") = py::cast(ple::counter_meanings());  // [(name, meaning)], stats()'s order
   main_thread.store(py::module_::import("threading").attr("main_thread")().attr("ident").cast<unsigned long>());
   m.def("open_table", &open_table, "Maps a table's shards; returns its handle");
   // Without the GIL: closing waits for the table's prefetch thread to stop.
   m.def("close_table", &ple::unregister_table, py::call_guard<py::gil_scoped_release>(),
         "Forgets a handle and stops its prefetches; unmaps when no gather holds it");
-  m.def("configure", &configure, "Sets policy, window (bytes), threads and row cache (bytes)");
+  m.def("configure", &configure,
+        "Sets policy, window (bytes), threads, row cache (bytes), io queue depth and io mode");
+  m.def("io_backend", &io_backend, "What reads a table's rows from its files");
   m.def(
       "gather",
       [](int64_t handle, const torch::Tensor& ids, torch::Tensor& out, int64_t resident_begin,

@@ -35,7 +35,11 @@ namespace ple {
   X(prefetch_misses,                                                                            \
     "gathers that found pending prefetches of other ids only, or whose prefetch failed")        \
   X(row_cache_hits, "disk-tier ids served by the row cache")                                    \
-  X(row_cache_misses, "disk-tier ids the row cache did not hold, read from the files (0 while it is off)")
+  X(row_cache_misses, "disk-tier ids the row cache did not hold, read from the files (0 while it is off)") \
+  X(direct_reads,                                                                               \
+    "O_DIRECT reads of io=\"direct\" gathers (each a run of adjacent distinct blocks, at most "  \
+    "64 KiB)")                                                                                  \
+  X(direct_read_bytes, "bytes those reads returned (whole blocks: at least 4 KiB a read)")
 
 struct GatherCounters {
 #define PLE_COUNTER_FIELD(name, meaning) std::atomic<uint64_t> name{0};

@@ -4,18 +4,21 @@
 
 namespace ple {
 
-Policy parse_policy(const std::string& name) {
+namespace {
+
+// The entry of `name` in a table of named choices (kPolicies, kIoModes);
+// std::invalid_argument naming `what` and the choices for another name.
+template <typename Entry, size_t N>
+const Entry& find_choice(const char* what, const Entry (&choices)[N], const std::string& name) {
   std::string names;
-  for (const PolicyName& known : kPolicies) {
-    if (name == known.name) return known.policy;
+  for (const Entry& known : choices) {
+    if (name == known.name) return known;
     names += names.empty() ? "" : ", ";
     names += known.name;
   }
-  throw std::invalid_argument("unknown prefetch policy '" + name + "' (expected one of " + names +
-                              ")");
+  throw std::invalid_argument(std::string("unknown ") + what + " '" + name +
+                              "' (expected one of " + names + ")");
 }
-
-namespace {
 
 void check_range(const char* what, uint64_t value, uint64_t least, uint64_t most) {
   if (value < least || value > most) {
@@ -28,11 +31,19 @@ void check_range(const char* what, uint64_t value, uint64_t least, uint64_t most
 
 }  // namespace
 
+Policy parse_policy(const std::string& name) {
+  return find_choice("prefetch policy", kPolicies, name).policy;
+}
+
+Io parse_io(const std::string& name) { return find_choice("io mode", kIoModes, name).io; }
+
 void check_config(const GatherConfig& config) {
   if (config.threads < 1) throw std::invalid_argument("threads must be at least 1");
   check_range("threads", static_cast<uint64_t>(config.threads), 1, kMaxThreads);
   check_range("window bytes", config.window_bytes, 0, uint64_t{kMaxPrefetchWindowKib} * kKiB);
   check_range("row cache bytes", config.row_cache_bytes, 0, uint64_t{kMaxRowCacheMib} * kMiB);
+  if (config.io_queue_depth < 1) throw std::invalid_argument("io_queue_depth must be at least 1");
+  check_range("io_queue_depth", static_cast<uint64_t>(config.io_queue_depth), 1, kMaxIoQueueDepth);
 }
 
 }  // namespace ple

@@ -1,8 +1,9 @@
 // The settings of a table's gather, defined once for Python and C++.
 //
-// ple.GatherConfig (ple/config.py) takes its policies, field names, units,
-// defaults and ranges from the tables below, which bindings.cpp exports as
-// native.POLICIES and native.CONFIG_FIELDS; set_config checks the same ranges
+// ple.GatherConfig (ple/config.py) takes its policies, io modes, field names,
+// units, defaults and ranges from the tables below, which bindings.cpp
+// exports as native.POLICIES, native.IO_MODES and native.CONFIG_FIELDS;
+// set_config checks the same ranges
 // (the native side can be called directly, and must never take a value that
 // it cannot count in).
 #pragma once
@@ -29,6 +30,23 @@ inline constexpr PolicyName kPolicies[] = {
     {Policy::kNone, "none"},
 };
 
+// Where the rows that no tier or row cache holds are read from (the names
+// are GatherConfig.io's): the page cache through the files' mappings, with
+// the prefetch policy's advice, or the files themselves with O_DIRECT reads
+// (direct_reader.h), which bypass the page cache.
+enum class Io { kMmap, kDirect };
+
+struct IoName {
+  Io io;
+  const char* name;
+};
+
+// Every io mode by name; the first is the default.
+inline constexpr IoName kIoModes[] = {
+    {Io::kMmap, "mmap"},
+    {Io::kDirect, "direct"},
+};
+
 // The most threads one gather runs on.  The gather's threads live for the
 // whole process (the worker pool keeps every thread it has started), and past
 // the machine's CPUs more threads only contend; 256 is more than the CPUs of
@@ -47,6 +65,12 @@ constexpr int64_t kDefaultPrefetchWindowKib = 4096;
 // row_bytes in int64).  A budget that the machine cannot map fails when it
 // is set, with MemoryError.
 constexpr int64_t kMaxRowCacheMib = int64_t{1} << 40;
+// The most O_DIRECT reads one gather keeps in flight.  Each takes a buffer
+// of up to 64 KiB (touched only as far as the reads fill it) and, with the
+// pread backend, a thread of its own; past a few hundred reads a disk
+// serves no more (README "Direct I/O").
+constexpr int64_t kMaxIoQueueDepth = 1024;
+constexpr int64_t kDefaultIoQueueDepth = 64;
 // The units of the two sizes.
 constexpr int64_t kKiB = 1024, kMiB = 1024 * 1024;
 
@@ -61,11 +85,12 @@ struct ConfigField {
   int64_t least, most;
 };
 
-// GatherConfig's int fields, in its order (policy comes first).
+// GatherConfig's int fields, in its order (policy comes first, io last).
 inline constexpr ConfigField kConfigFields[] = {
     {"prefetch_window_kib", "KiB", kKiB, kDefaultPrefetchWindowKib, 0, kMaxPrefetchWindowKib},
     {"threads", "threads", 0, kDefaultThreadsCap, 1, kMaxThreads},
     {"row_cache_mib", "MiB", kMiB, 0, 0, kMaxRowCacheMib},
+    {"io_queue_depth", "reads", 0, kDefaultIoQueueDepth, 1, kMaxIoQueueDepth},
 };
 
 // A table's settings as the native side holds them: sizes in bytes.
@@ -74,10 +99,14 @@ struct GatherConfig {
   uint64_t window_bytes = kDefaultPrefetchWindowKib * kKiB;
   int threads = 1;
   uint64_t row_cache_bytes = 0;
+  int io_queue_depth = kDefaultIoQueueDepth;
+  Io io = kIoModes[0].io;
 };
 
 // The policy of a name in kPolicies; std::invalid_argument for another.
 Policy parse_policy(const std::string& name);
+// The io mode of a name in kIoModes; std::invalid_argument for another.
+Io parse_io(const std::string& name);
 
 // Throws std::invalid_argument, naming the field and its range, unless every
 // field of `config` is within kConfigFields' ranges.

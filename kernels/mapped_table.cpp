@@ -9,6 +9,8 @@
 #include <cerrno>
 #include <cstring>
 
+#include "direct_reader.h"
+
 namespace ple {
 
 namespace {
@@ -102,6 +104,7 @@ MappedTable::MappedTable(const std::vector<std::string>& paths,
 MappedTable::~MappedTable() {
   // The gather in progress ends first: it reads the mappings.
   shut_down();
+  direct_files_.reset();
   for (auto& file : files_) unmap_file(file);
 }
 
@@ -158,9 +161,27 @@ GatherConfig MappedTable::config() const {
 
 void MappedTable::set_config(const GatherConfig& config) {
   check_config(config);
+  IoBackend backend = io_backend();
+  if (config.io == Io::kDirect) {
+    backend = choose_backend();
+    // Files opened for a config that then fails stay open for the next one.
+    std::lock_guard<std::mutex> lock(config_mutex_);
+    if (direct_files_ == nullptr) direct_files_ = std::make_unique<DirectFiles>(files_);
+  }
   row_cache_.configure(config.row_cache_bytes, row_bytes_);
   std::lock_guard<std::mutex> lock(config_mutex_);
+  io_backend_ = backend;
   config_ = config;
+}
+
+const DirectFiles& MappedTable::direct_files() const {
+  std::lock_guard<std::mutex> lock(config_mutex_);
+  return *direct_files_;
+}
+
+IoBackend MappedTable::io_backend() const {
+  std::lock_guard<std::mutex> lock(config_mutex_);
+  return io_backend_;
 }
 
 void MappedTable::drop_page_cache() {

@@ -5,7 +5,9 @@
 // whole, read-only and shared, and advised MADV_RANDOM so that a fault reads
 // one page instead of the device's read-ahead window.  The page cache holds
 // whatever the gather brought in; only the row cache (when configured) and
-// pending prefetches keep copies of rows.
+// pending prefetches keep copies of rows.  With io "direct" the gathers read
+// the files themselves with O_DIRECT (direct_reader.h) and never touch the
+// mappings, which stay so that a config can switch back at any time.
 //
 // A table also holds what its gathers share: its settings (gather_config.h),
 // its counters (counters.h), its row cache (row_cache.h) and its prefetches
@@ -13,6 +15,7 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <mutex>
 #include <stdexcept>
 #include <string>
@@ -20,6 +23,7 @@
 
 #include "counters.h"
 #include "gather_config.h"
+#include "io_engines.h"
 #include "prefetch_queue.h"
 #include "row_cache.h"
 #include "row_gather.h"
@@ -37,6 +41,8 @@ struct MappedFile {
   uint8_t* base = nullptr;
   uint64_t size = 0;
 };
+
+class DirectFiles;
 
 struct Shard {
   const uint8_t* data;  // first byte of the shard's first row
@@ -74,9 +80,17 @@ class MappedTable {
   uintptr_t mapped_end() const { return mapped_end_; }
 
   GatherConfig config() const;
-  // Checks `config` (check_config) and sizes the row cache for it; throws,
-  // leaving the settings as they were, when either fails.
+  // Checks `config` (check_config) and sizes the row cache for it; with io
+  // "direct", opens the files for direct reads (once; they stay open while
+  // the table lives, for the gathers that still read them) and chooses the
+  // backend (choose_backend).  Throws, leaving the settings as they were,
+  // when any of that fails.
   void set_config(const GatherConfig& config);
+
+  // For io "direct": the files opened with O_DIRECT and the backend that
+  // reads them (set by set_config before any config with io "direct").
+  const DirectFiles& direct_files() const;
+  IoBackend io_backend() const;
 
   GatherCounters& counters() { return counters_; }
   RowCache& row_cache() { return row_cache_; }
@@ -114,6 +128,8 @@ class MappedTable {
   uintptr_t mapped_begin_ = 0, mapped_end_ = 0;
   mutable std::mutex config_mutex_;
   GatherConfig config_;
+  std::unique_ptr<DirectFiles> direct_files_;  // made by the first config with io "direct"
+  IoBackend io_backend_ = IoBackend::kPread;
   GatherCounters counters_;
   RowCache row_cache_;
   GatherScratchPool scratch_pool_;

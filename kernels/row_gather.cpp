@@ -18,6 +18,7 @@
 #include <utility>
 #include <vector>
 
+#include "direct_reader.h"
 #include "fault_guard.h"
 #include "interrupt.h"
 #include "mapped_table.h"
@@ -908,6 +909,22 @@ void add_counters(GatherCounters& counters, const CopyCounters& r) {
   counters.minor_faults += r.minor_faults;
 }
 
+// Reads the rows left in `scratch` from the files with O_DIRECT instead
+// (GatherConfig.io "direct").
+DirectCounters read_from_files(MappedTable& table, const GatherConfig& config,
+                               const GatherScratch& scratch, const void* ids, bool ids_are_int64,
+                               uint8_t* out, Interruption& stop) {
+  std::vector<DirectRow> direct;
+  direct.reserve(disk_rows(scratch));
+  const RowRef* rows = scratch.rows.data();
+  for (const Part& part : scratch.parts) {
+    for (int64_t k = part.begin; k < part.end; ++k) direct.push_back({rows[k].address, rows[k].position});
+  }
+  return read_direct(table.direct_files(), table.io_backend(), config.io_queue_depth,
+                     config.threads, table.row_bytes(), direct, out,
+                     [&](int64_t position) { return id_at(ids, ids_are_int64, position); }, stop);
+}
+
 }  // namespace
 
 void gather_rows(MappedTable& table, const void* ids, bool ids_are_int64, int64_t n,
@@ -934,7 +951,12 @@ void gather_rows(MappedTable& table, const void* ids, bool ids_are_int64, int64_
   const bool cached = use_row_cache && cache.enabled();  // once: the config may change meanwhile
   if (cached) take_cached(cache, ids, ids_are_int64, row_bytes, out, scratch);
   const uint64_t misses = disk_rows(scratch);
-  if (misses > 0) copy_from_disk(table, config, threads, scratch, ids, ids_are_int64, out, stop);
+  DirectCounters direct;
+  if (misses > 0 && config.io == Io::kDirect) {
+    direct = read_from_files(table, config, scratch, ids, ids_are_int64, out, stop);
+  } else if (misses > 0) {
+    copy_from_disk(table, config, threads, scratch, ids, ids_are_int64, out, stop);
+  }
   // A poll that asked to stop while the last rows were copied still stops
   // the gather: its caller raises what the poll found.
   stop.throw_if_stopped();
@@ -950,6 +972,9 @@ void gather_rows(MappedTable& table, const void* ids, bool ids_are_int64, int64_
   uint64_t seen = counters.max_advised_ahead_bytes.load();
   while (max_ahead > seen && !counters.max_advised_ahead_bytes.compare_exchange_weak(seen, max_ahead)) {
   }
+  counters.unique_pages += direct.unique_pages;
+  counters.direct_reads += direct.reads;
+  counters.direct_read_bytes += direct.read_bytes;
   if (cached) {
     counters.row_cache_hits += rows - misses;
     counters.row_cache_misses += misses;

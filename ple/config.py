@@ -1,8 +1,9 @@
-"""How the gather reads: prefetch policy, window, threads and row cache.
+"""How the gather reads: prefetch policy, window, threads, row cache, and
+whether rows come through the page cache or with direct I/O.
 
-The fields, their units, defaults and ranges, and the policies are defined
-once, by the native part (``kernels/gather_config.h``), which checks them
-too; this module takes them from it (``FIELDS``).
+The fields, their units, defaults and ranges, the policies and the io modes
+are defined once, by the native part (``kernels/gather_config.h``), which
+checks them too; this module takes them from it (``FIELDS``).
 """
 
 from __future__ import annotations
@@ -14,12 +15,14 @@ from dataclasses import dataclass, field
 from .kernels.native import native
 
 # Each field of GatherConfig by name, in its order: "default", and "choices"
-# (policy) or "unit", "unit_bytes" (bytes per unit; 0 for a count), "least"
-# and "most" (the int fields).
+# and "what" they choose (policy, io) or "unit", "unit_bytes" (bytes per
+# unit; 0 for a count), "least" and "most" (the int fields).
 FIELDS: dict[str, dict] = {entry["name"]: dict(entry) for entry in native.CONFIG_FIELDS}
 
 # The policies, the default first.
 POLICIES: tuple[str, ...] = tuple(FIELDS["policy"]["choices"])
+# The io modes, the default ("mmap") first.
+IO_MODES: tuple[str, ...] = tuple(FIELDS["io"]["choices"])
 # The most threads one gather runs on (256): the gather's threads live for the
 # whole process, and past the machine's CPUs more threads only contend.
 MAX_THREADS: int = FIELDS["threads"]["most"]
@@ -31,6 +34,9 @@ MAX_ROW_CACHE_MIB: int = FIELDS["row_cache_mib"]["most"]
 # Each int field's allowed range, both ends included.
 RANGES: dict[str, tuple[int, int]] = {
     name: (entry["least"], entry["most"]) for name, entry in FIELDS.items() if "least" in entry}
+# Each choice field's choices.
+CHOICES: dict[str, tuple[str, ...]] = {
+    name: tuple(entry["choices"]) for name, entry in FIELDS.items() if "choices" in entry}
 
 
 def _default_threads() -> int:
@@ -60,7 +66,18 @@ class GatherConfig:
             ``MAX_THREADS`` (256).
         row_cache_mib: a host cache of recently gathered disk-tier rows, in
             front of the disk, holding at most this many MiB; 0 (default) is
-            off; at most ``MAX_ROW_CACHE_MIB`` (2**40).
+            off; at most ``MAX_ROW_CACHE_MIB`` (2**40).  With ``io="direct"``
+            it is the only cache: without it every gather reads the disk.
+        io_queue_depth: with ``io="direct"``, the most reads in flight
+            (default 64; 1 to 1024), shared by the gather's threads.
+        io: where the rows that no tier or row cache holds come from
+            (``IO_MODES``): "mmap" (default) copies them out of the files'
+            mappings, through the page cache, with ``policy``'s advice;
+            "direct" reads their blocks with O_DIRECT (io_uring, else Linux
+            AIO, else pread threads: ``Table.io_backend`` says which), no page
+            cache, and ``policy`` and ``prefetch_window_kib`` do nothing.  A
+            filesystem that refuses O_DIRECT makes assigning such a config an
+            OSError naming the file.
 
     A field of the wrong type or outside its range is a ValueError naming
     the field, the value and the range (``RANGES``).
@@ -70,10 +87,14 @@ class GatherConfig:
     prefetch_window_kib: int = FIELDS["prefetch_window_kib"]["default"]
     threads: int = field(default_factory=_default_threads)
     row_cache_mib: int = FIELDS["row_cache_mib"]["default"]
+    io_queue_depth: int = FIELDS["io_queue_depth"]["default"]
+    io: str = FIELDS["io"]["default"]
 
     def __post_init__(self):
-        if self.policy not in POLICIES:
-            raise ValueError(f"unknown prefetch policy {self.policy!r}; expected one of {POLICIES}")
+        for name, choices in CHOICES.items():
+            if getattr(self, name) not in choices:
+                raise ValueError(f"unknown {FIELDS[name]['what']} {getattr(self, name)!r}; "
+                                 f"expected one of {choices}")
         for name, (least, most) in RANGES.items():
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool):

@@ -85,6 +85,9 @@ class Table:
         dtype: what ``disk_gather`` returns when no dtype is asked for.
         config: the ``ple.GatherConfig`` of its gathers; assign a new one to
             change them from the next call.
+        io_backend: what reads its rows from the files: "mmap" (with
+            ``config.io == "mmap"``), or the direct-I/O backend chosen when
+            the config was assigned: "io_uring", "aio" or "pread".
         tiers: the rows kept in device and host memory (``ple.tiers.Tiers``,
             made by :meth:`place`), or None.
         resident_range: ``(begin, end)``: rows ``[begin, end)`` are in the
@@ -203,6 +206,13 @@ class Table:
 
     def _push_config(self, c: GatherConfig) -> None:
         native.configure(self.handle, *c._native_args())
+
+    @property
+    def io_backend(self) -> str:
+        """What reads rows from the files: "mmap", or with ``io="direct"``
+        "io_uring", "aio" or "pread" (the first that this process may use,
+        from the one the environment variable ``PLE_IO_BACKEND`` names)."""
+        return native.io_backend(self.handle)
 
     @property
     def resident_range(self) -> tuple[int, int]:

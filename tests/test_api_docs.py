@@ -13,7 +13,8 @@ from safetensors.torch import save_file
 import ple
 
 TABLE_ATTRIBUTES = ["name", "num_rows", "cols", "format", "row_format", "row_bytes", "scale",
-                    "shard_rows", "paths", "handle", "dtype", "config", "tiers", "resident_range"]
+                    "shard_rows", "paths", "handle", "dtype", "config", "io_backend", "tiers",
+                    "resident_range"]
 
 
 def documented(docstring: str) -> dict[str, str]:

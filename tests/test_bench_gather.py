@@ -26,7 +26,9 @@ TOOL = ROOT / "tools" / "bench_gather.py"
 FIELDS = ("arm", "state", "ms_median", "ms_min", "ms_max", "rows_per_s",
           "unique_pages_per_call", "read_bytes_per_call", "major_faults_per_call",
           "advised_pages_per_call", "evicted_before_copy_per_call", "sha256", "per_call")
-GATHERING = ("none", "all", "distance:4096", "window:64", "window:4096")
+GATHERING = ("none", "all", "distance:4096", "window:64", "window:4096", "direct",
+             "direct-cache:256")
+DIRECT = ("direct", "direct-cache:256")
 QUICK_ARMS = ([("prime:32", "cold")] + [(a, "cold") for a in GATHERING] + [("ceiling:32", "cold")]
               + [(a, "warm") for a in GATHERING] + [("numpy", "warm")])
 
@@ -59,7 +61,9 @@ def test_quick_reports_every_arm_with_its_fields(quick):
         for field in FIELDS:
             assert field in r, (key, field)
         assert r["ms_min"] <= r["ms_median"] <= r["ms_max"], key
-        assert r["unique_pages_per_call"] > 0 and len(r["per_call"]) == 4, key
+        assert len(r["per_call"]) == 4, key
+        # warm, the row cache serves every row of direct-cache: no page is asked for
+        assert r["unique_pages_per_call"] > 0 or key == ("direct-cache:256", "warm"), key
     assert doc["failed_arms"] == []
     assert "window:4096" in proc.stdout and "sha256" in proc.stdout
 
@@ -81,6 +85,14 @@ def test_quick_reports_ratios_and_no_goals(quick):
         assert cold["time_over_all"] is None and warm["time_over_ceiling"] is None  # no limit; warm
         if arm != "none":
             assert cold["none_over_time"] == pytest.approx(ms[("none", "cold")] / ms[(arm, "cold")])
+        if arm in DIRECT:
+            for state, ratio in (("cold", cold), ("warm", warm)):
+                assert ratio["time_over_window"] == pytest.approx(
+                    ms[(arm, state)] / ms[("window:4096", state)])
+            cpu = {r["arm"]: r["cpu_us_per_page"] for r in doc["arms"] if r["state"] == "cold"}
+            assert cold["cpu_page_over_ceiling"] == pytest.approx(cpu[arm] / cpu["ceiling:32"])
+        else:
+            assert cold["time_over_window"] is None and cold["cpu_page_over_ceiling"] is None
     assert by_arm[("none", "cold")]["none_over_time"] is None
 
 
@@ -125,6 +137,12 @@ def test_quick_cold_arms_read_from_disk(quick):
     assert none["major_faults_per_call"] > 0
     window = next(r for r in doc["arms"] if (r["arm"], r["state"]) == ("window:4096", "cold"))
     assert window["advised_pages_per_call"] > 0
+    for r in doc["arms"]:
+        if r["arm"] in DIRECT and r["state"] == "cold":
+            # no page cache: every call reads all its pages, and faults on none
+            assert r["read_bytes_per_call"] >= r["unique_bytes_per_call"] * 0.99, r["arm"]
+            assert r["major_faults_per_call"] == 0 and r["direct_reads_per_call"] > 0
+            assert r["io_backend"] == "io_uring" and r["cpu_ms_per_call"] > 0
 
 
 def test_memory_limit_without_cgroup_rights_says_so(tmp_path):
@@ -156,7 +174,8 @@ def test_pressure_run_in_a_memory_cgroup(bench_table, tmp_path):
         pytest.skip(f"no memory cgroup here: {proc.stderr.strip().splitlines()[-1]}")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     doc = json.loads(out.read_text())
-    assert [r["arm"] for r in doc["arms"]] == ["none", "all", "window:4096"]
+    assert [r["arm"] for r in doc["arms"]] == ["none", "all", "window:4096", "direct",
+                                               "direct-cache:256"]
     assert doc["sha256_equal"]
     for r in doc["arms"]:
         group = r["cgroup"]
@@ -169,6 +188,7 @@ def test_pressure_run_in_a_memory_cgroup(bench_table, tmp_path):
     assert doc["ratios"]["reference"]["pressure"] and "goals" not in doc
     assert ratios["window:4096"]["time_over_all"] == pytest.approx(ms["window:4096"] / ms["all"])
     assert ratios["all"]["time_over_all"] is None
+    assert ratios["direct"]["time_over_window"] == pytest.approx(ms["direct"] / ms["window:4096"])
 
 
 def _leftover_cgroups():

@@ -36,6 +36,8 @@ def test_the_limits():
     ("row_cache_mib", 2**45, 0, MAX_ROW_CACHE_MIB),
     ("row_cache_mib", MAX_ROW_CACHE_MIB + 1, 0, MAX_ROW_CACHE_MIB),
     ("row_cache_mib", -1, 0, MAX_ROW_CACHE_MIB),
+    ("io_queue_depth", 0, 1, 1024),
+    ("io_queue_depth", 1025, 1, 1024),
 ])
 def test_out_of_range_is_a_value_error_naming_field_value_and_range(field, value, least, most):
     bound = f"at least {least}" if value < least else f"at most {most}"
@@ -65,7 +67,7 @@ def test_fields_defaults_units_and_ranges_are_the_native_parts():
     import dataclasses
     import os
 
-    from ple.config import FIELDS, POLICIES, RANGES
+    from ple.config import FIELDS, IO_MODES, POLICIES, RANGES
     from ple.kernels.native import native
 
     by_name = {entry["name"]: entry for entry in native.CONFIG_FIELDS}
@@ -78,13 +80,19 @@ def test_fields_defaults_units_and_ranges_are_the_native_parts():
     assert default.row_cache_mib == by_name["row_cache_mib"]["default"] == 0
     assert default.threads == min(by_name["threads"]["default"], os.cpu_count() or 1)
     assert by_name["threads"]["default"] == 16
-    assert RANGES == {name: (e["least"], e["most"]) for name, e in by_name.items() if name != "policy"}
+    assert default.io == by_name["io"]["default"] == IO_MODES[0] == "mmap"
+    assert IO_MODES == native.IO_MODES == by_name["io"]["choices"] == ("mmap", "direct")
+    assert default.io_queue_depth == by_name["io_queue_depth"]["default"] == 64
+    assert RANGES == {name: (e["least"], e["most"]) for name, e in by_name.items()
+                      if name not in ("policy", "io")}
+    assert RANGES["io_queue_depth"] == (1, 1024)
     assert MAX_THREADS == native.MAX_THREADS == by_name["threads"]["most"]
     assert (by_name["prefetch_window_kib"]["unit"], by_name["prefetch_window_kib"]["unit_bytes"]) == ("KiB", 1024)
     assert (by_name["row_cache_mib"]["unit"], by_name["row_cache_mib"]["unit_bytes"]) == ("MiB", 1 << 20)
     assert by_name["threads"]["unit_bytes"] == 0
-    config = GatherConfig("distance", 7, 3, 5)
-    assert config._native_args() == ("distance", 7 << 10, 3, 5 << 20)
+    assert by_name["io_queue_depth"]["unit_bytes"] == 0
+    config = GatherConfig("distance", 7, 3, 5, 9, "direct")
+    assert config._native_args() == ("distance", 7 << 10, 3, 5 << 20, 9, "direct")
 
 
 def test_the_native_side_refuses_what_gather_config_refuses(tmp_path):
@@ -99,12 +107,17 @@ def test_the_native_side_refuses_what_gather_config_refuses(tmp_path):
             native.configure(table.handle, *GatherConfig(policy, MAX_PREFETCH_WINDOW_KIB,
                                                          MAX_THREADS)._native_args())
         with pytest.raises(ValueError, match="unknown prefetch policy 'sometimes'"):
-            native.configure(table.handle, "sometimes", 0, 1, 0)
+            native.configure(table.handle, "sometimes", 0, 1, 0, 64, "mmap")
         with pytest.raises(ValueError, match="window bytes must be at most"):
-            native.configure(table.handle, "window", (MAX_PREFETCH_WINDOW_KIB << 10) + 1, 1, 0)
+            native.configure(table.handle, "window", (MAX_PREFETCH_WINDOW_KIB << 10) + 1, 1, 0, 64,
+                             "mmap")
         with pytest.raises(ValueError, match="row cache bytes must be at most"):
-            native.configure(table.handle, "window", 0, 1, (MAX_ROW_CACHE_MIB << 20) + 1)
+            native.configure(table.handle, "window", 0, 1, (MAX_ROW_CACHE_MIB << 20) + 1, 64, "mmap")
         with pytest.raises(ValueError, match="threads must be at least 1"):
-            native.configure(table.handle, "window", 0, 0, 0)
+            native.configure(table.handle, "window", 0, 0, 0, 64, "mmap")
+        with pytest.raises(ValueError, match="io_queue_depth must be at most 1024, got 1025"):
+            native.configure(table.handle, "window", 0, 1, 0, 1025, "direct")
+        with pytest.raises(ValueError, match=r"unknown io mode 'dax' \(expected one of mmap, direct\)"):
+            native.configure(table.handle, "window", 0, 1, 0, 64, "dax")
         table.config = GatherConfig()
         assert torch.equal(torch.ops.ple.disk_gather(torch.tensor([3]), table.handle), torch.zeros(1, 4))

@@ -515,9 +515,9 @@ def test_the_native_side_caps_threads(small_table):
 
     assert native.MAX_THREADS == 256
     with ple.Table.from_safetensors(small_table) as table:
-        native.configure(table.handle, "window", 4 << 20, 256, 0)
+        native.configure(table.handle, "window", 4 << 20, 256, 0, 64, "mmap")
         with pytest.raises(ValueError, match="threads must be at most 256"):
-            native.configure(table.handle, "window", 4 << 20, 257, 0)
+            native.configure(table.handle, "window", 4 << 20, 257, 0, 64, "mmap")
         config = getattr(ple.config, "MAX_THREADS", None)
         if config is not None:
             assert config == native.MAX_THREADS

@@ -3,6 +3,7 @@ and against what the disk serves, cold, warm and under memory pressure.
 
     ple-bench-gather [--table-gib 8] [--calls 16] [--rows 18000]
                      [--windows 64,1024,4096,16384] [--warm]
+                     [--direct-cache MiB] [--io-queue-depth N] [--cpu-load N]
                      [--memory-limit MiB --ballast MiB]
                      [--json PATH] [--plot PATH] [--quick]
     (or python tools/bench_gather.py ...)
@@ -14,6 +15,11 @@ Arms, each running the same calls with the same seeded random ids:
   distance:KiB    advice for the pages less than KiB ahead of the copy address
   window:KiB      at most KiB of pages advised and not yet copied, per gather
                   thread (--threads; one arm per --windows value)
+  direct          GatherConfig(io="direct"): the rows' blocks read with
+                  O_DIRECT (io_uring, else AIO, else pread threads), no page
+                  cache and no row cache: every call reads the disk
+  direct-cache:MiB  the same with a row cache of MiB (--direct-cache): warm,
+                  the rows come from it
   ceiling:DEPTH   not a gather: the unique 4 KiB pages under each call's rows,
                   read with O_DIRECT (no page cache, no mmap) with DEPTH reads
                   in flight (Linux AIO, or --ceiling-engine threads: a pool of
@@ -29,16 +35,23 @@ the same random pages is 2.5x faster than reading them first), and every arm
 reads the same pages: without this pass the first arm would pay for reads
 that later arms get from the host's cache.  --no-prime skips it.
 
+--cpu-load N runs N busy processes (Python loops) for the arms' duration, as
+a server's other work loads its CPUs.  Column "cpu ms" is the CPU time of the
+gathering process per call (every thread, kernel time included, from
+time.process_time); "cpu us/pg" that over the call's unique pages.
+
 The tool reports figures per arm and ratios of median times between arms
 (against the fastest ceiling, against none, under a memory limit against all,
-warm NumPy against each arm); it judges none of them.  Every gathering arm
+warm NumPy against each arm, direct arms against the default window arm and
+their CPU per page against the ceiling's); it judges none of them.  Every gathering arm
 must return the same bytes (SHA-256 over all calls); the tool exits non-zero
 when they differ or an arm fails.
 
 The parts: tools/gather_arms.py runs the arms, tools/table_layout.py says
 where the rows lie (from ple.Table), tools/odirect.py reads pages with
-O_DIRECT, tools/cgroup.py makes the memory cgroups, tools/report.py prints
-the table, the ratios, the JSON and the plot.
+O_DIRECT, tools/cgroup.py makes the memory cgroups, tools/cpu_load.py the
+busy processes, tools/report.py prints the table, the ratios, the JSON and
+the plot.
 """
 
 from __future__ import annotations
@@ -90,6 +103,15 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="skip the pass that reads every call's pages once with O_DIRECT "
                         "before the arms (see above)")
     parser.add_argument("--threads", type=int, help="GatherConfig.threads (default: its default)")
+    parser.add_argument("--direct-cache", type=int, default=256, metavar="MiB",
+                        help="row cache of the direct-cache:MiB arm (default 256; 0: no such arm)")
+    parser.add_argument("--no-direct", dest="direct", action="store_false",
+                        help="leave out the direct and direct-cache arms")
+    parser.add_argument("--io-queue-depth", type=int, metavar="N",
+                        help="GatherConfig.io_queue_depth of the direct arms (default: its default)")
+    parser.add_argument("--cpu-load", type=int, default=0, metavar="N",
+                        help="run N busy processes (Python loops) for the arms' duration "
+                        "(default 0)")
     parser.add_argument("--drop", choices=("arm", "call"), default="arm",
                         help="cold runs drop the table's pages from the page cache (the tool's "
                         "table unmapped first, then posix_fadvise DONTNEED on each file) before "
@@ -133,6 +155,10 @@ def arm_list(args) -> list[str]:
     if args.distance:
         arms.append(f"distance:{args.distance}")
     arms += [f"window:{int(w)}" for w in args.windows.split(",") if w.strip()]
+    if args.direct:
+        arms.append("direct")
+        if args.direct_cache:
+            arms.append(f"direct-cache:{args.direct_cache}")
     return arms
 
 
@@ -161,7 +187,8 @@ def child_main(spec_json: str) -> None:
     np.frombuffer(ballast, dtype=np.uint8)[::PAGE] = 1
     after_ballast, stat0 = group.usage(), group.stat()
     record = run_arm(Path(spec["table"]), layout, spec["arm"], requests, spec["state"],
-                     spec["drop"], spec["threads"], spec["engine"], table)
+                     spec["drop"], spec["threads"], spec["engine"], table,
+                     spec["io_queue_depth"])
     cache, anon = group.cache_and_anon()
     usage, stat1 = group.usage(), group.stat()
     refaults = "workingset_refault_file" if "workingset_refault_file" in stat1 else "workingset_refault"
@@ -193,6 +220,7 @@ def run_arm_in_cgroup(args, arm: str, state: str, index: int, layout: Layout) ->
         spec = {"table": str(args.table), "row_bytes": args.row_bytes, "calls": args.calls,
                 "rows": args.rows, "seed": args.seed, "arm": arm, "state": state,
                 "drop": args.drop, "threads": args.threads, "engine": args.ceiling_engine,
+                "io_queue_depth": args.io_queue_depth,
                 "cgroup": str(group.path), "cgroup_version": group.version, "limit": group.limit,
                 "ballast": args.ballast * MiB, "fd": write_fd}
         child = subprocess.Popen([sys.executable, "-m", "ple_tools.bench_gather", "--child",
@@ -210,6 +238,29 @@ def run_arm_in_cgroup(args, arm: str, state: str, index: int, layout: Layout) ->
         return json.loads(text)
     finally:
         group.remove()
+
+
+def run_plan(args, plan, layout: Layout, requests, new_pages, table, pressure: bool,
+             results: list[dict]) -> None:
+    """Runs the arms of `plan` in order, appending each one's summary (or
+    its error) to `results`."""
+    from ple_tools import report
+    from ple_tools.gather_arms import run_arm, run_ceiling_arm
+
+    for index, (arm, state) in enumerate(plan):
+        print(f"  {arm} {state} ...", file=sys.stderr, flush=True)
+        try:
+            if arm.startswith("prime:"):
+                record = run_ceiling_arm(layout, arm, requests, "arm", args.ceiling_engine)
+            elif pressure:
+                record = run_arm_in_cgroup(args, arm, state, index, layout)
+            else:
+                record = run_arm(args.table, layout, arm, requests, state, args.drop,
+                                 args.threads, args.ceiling_engine, table, args.io_queue_depth)
+            results.append(report.summarize(record, args.rows, new_pages))
+        except (RuntimeError, OSError) as error:
+            print(f"  {arm} {state} failed: {error}", file=sys.stderr)
+            results.append({"arm": arm, "state": state, "error": str(error)})
 
 
 def main(argv=None) -> int:
@@ -235,8 +286,9 @@ def main(argv=None) -> int:
 
     import ple
     from ple_tools import report
+    from ple_tools.cpu_load import BusyProcesses
     from ple_tools.demo import make_requests
-    from ple_tools.gather_arms import new_pages_per_call, run_arm, run_ceiling_arm
+    from ple_tools.gather_arms import new_pages_per_call
     from ple_tools.make_table import PREFIX, ensure_table
     from ple_tools.table_layout import Layout
 
@@ -260,33 +312,28 @@ def main(argv=None) -> int:
     if pressure:
         setup += (f"; each arm in a child in a memory cgroup of {args.memory_limit} MiB with "
                   f"{args.ballast} MiB of touched ballast")
+    if args.cpu_load:
+        setup += f"; {args.cpu_load} busy processes on {os.cpu_count()} CPUs"
     print(setup, file=sys.stderr)
 
+    # Other jobs on a shared machine load its CPUs as --cpu-load does: say how much.
+    load_before = os.getloadavg()[0]
     results: list[dict] = []
     table = None
     if not pressure:
         table = ple.Table.from_safetensors(args.table, PREFIX)
     try:
-        for index, (arm, state) in enumerate(plan):
-            print(f"  {arm} {state} ...", file=sys.stderr, flush=True)
-            try:
-                if arm.startswith("prime:"):
-                    record = run_ceiling_arm(layout, arm, requests, "arm", args.ceiling_engine)
-                elif pressure:
-                    record = run_arm_in_cgroup(args, arm, state, index, layout)
-                else:
-                    record = run_arm(args.table, layout, arm, requests, state, args.drop,
-                                     args.threads, args.ceiling_engine, table)
-                results.append(report.summarize(record, args.rows, new_pages))
-            except (RuntimeError, OSError) as error:
-                print(f"  {arm} {state} failed: {error}", file=sys.stderr)
-                results.append({"arm": arm, "state": state, "error": str(error)})
+        with BusyProcesses(args.cpu_load):
+            run_plan(args, plan, layout, requests, new_pages, table, pressure, results)
     finally:
         if table is not None:
             table.close()
 
+    load = (load_before, os.getloadavg()[0])
     print()
     print(setup)
+    print(f"load average (1 min) {load[0]:.2f} before the arms, {load[1]:.2f} after "
+          f"(--cpu-load's processes included)")
     report.print_cgroup_room(results)
     report.print_table(results)
 
@@ -314,7 +361,7 @@ def main(argv=None) -> int:
                          for k, v in vars(args).items() if k != "child"},
             table={"num_rows": layout.num_rows, "row_bytes": args.row_bytes,
                    "files": [str(p) for p in layout.paths], "shard_rows": layout.shard_rows},
-            machine={"cpus": os.cpu_count(), "kernel": platform.release(),
+            machine={"cpus": os.cpu_count(), "kernel": platform.release(), "load_average": load,
                      "torch": torch.__version__},
             results=results, found=found, digests=digests)
         args.json.parent.mkdir(parents=True, exist_ok=True)

@@ -55,16 +55,24 @@ class MemoryCgroup:
         except OSError as error:
             raise CgroupError(f"cannot create the memory cgroup {self.path}: {error}") from None
         try:
-            if self.version == 2:
-                if "memory" not in (self.path / "cgroup.controllers").read_text().split():
-                    (base / "cgroup.subtree_control").write_text("+memory")
-                self._write("memory.max", str(self.limit + self.limit // 8))
-                self._write("memory.high", str(self.limit))
-            else:
-                self._write("memory.limit_in_bytes", str(self.limit))
+            if self.version == 2 and "memory" not in (self.path / "cgroup.controllers").read_text().split():
+                (base / "cgroup.subtree_control").write_text("+memory")
+            self.set_limit(self.limit)
         except OSError as error:
             self.remove()
             raise CgroupError(f"cannot set the memory limit of {self.path}: {error}") from None
+
+    def set_limit(self, limit: int) -> None:
+        """Sets the limit, in bytes (v2: memory.high, and memory.max 1/8 above
+        it; v1: memory.limit_in_bytes); below the usage, the kernel reclaims."""
+        if self.version == 2:
+            if limit > self.limit:  # memory.max first when raising, last when lowering
+                self._write("memory.max", str(limit + limit // 8))
+            self._write("memory.high", str(limit))
+            self._write("memory.max", str(limit + limit // 8))
+        else:
+            self._write("memory.limit_in_bytes", str(limit))
+        self.limit = limit
 
     def _write(self, name: str, value: str) -> None:
         (self.path / name).write_text(value)

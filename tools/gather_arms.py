@@ -1,7 +1,9 @@
 """The arms of the gather benchmark (tools/bench_gather.py): each runs the
 same calls (seeded random ids) and returns a record of per-call figures.
 
-  gathering arms  ple's gather with one prefetch policy (GatherConfig.from_spec)
+  gathering arms  ple's gather with one prefetch policy (GatherConfig.from_spec),
+                  or with direct I/O: direct (no row cache) and
+                  direct-cache:MiB (a row cache of MiB)
   numpy           NumPy fancy indexing of np.memmaps of the shards (warm)
   ceiling:DEPTH   the unique pages under each call's rows read with O_DIRECT
                   at queue depth DEPTH (tools/odirect.py); produces no rows
@@ -50,13 +52,26 @@ def new_record(arm: str, state: str) -> dict:
     return {"arm": arm, "state": state, "calls": []}
 
 
+def arm_config(arm: str, threads: int | None, io_queue_depth: int | None = None) -> ple.GatherConfig:
+    """The GatherConfig of a gathering arm: ``policy[:KiB]``, ``direct`` or
+    ``direct-cache:MiB``."""
+    fields = {"threads": threads} if threads else {}
+    kind, value = arm_kind(arm)
+    if kind in ("direct", "direct-cache"):
+        if io_queue_depth:
+            fields["io_queue_depth"] = io_queue_depth
+        return ple.GatherConfig(io="direct", row_cache_mib=value or 0, **fields)
+    return ple.GatherConfig.from_spec(arm, **fields)
+
+
 def run_gather_arm(table: ple.Table, layout: Layout, arm: str, requests, state: str,
-                   drop: str, threads: int | None) -> dict:
-    table.config = ple.GatherConfig.from_spec(arm, **({"threads": threads} if threads else {}))
+                   drop: str, threads: int | None, io_queue_depth: int | None = None) -> dict:
+    table.config = arm_config(arm, threads, io_queue_depth)
     out = torch.empty((len(requests[0]), layout.row_bytes), dtype=torch.uint8)
     out.fill_(0)  # fault the output buffer in outside the timed calls
     record = new_record(arm, state)
-    if state == "warm":  # untimed pass: every page this arm asks for is resident after it
+    record["io_backend"] = table.io_backend
+    if state == "warm":  # untimed pass: every page (or row, direct) this arm asks for is cached after it
         for ids in requests:
             table.gather_bytes(ids, out=out)
     elif drop == "arm":
@@ -66,13 +81,15 @@ def run_gather_arm(table: ple.Table, layout: Layout, arm: str, requests, state: 
         if state == "cold" and drop == "call":
             drop_table(table, layout)
         before, read0 = table.stats(), disk_read_bytes()
-        start = time.perf_counter()
+        cpu0, start = time.process_time(), time.perf_counter()
         table.gather_bytes(ids, out=out)
-        seconds = time.perf_counter() - start
+        seconds, cpu = time.perf_counter() - start, time.process_time() - cpu0
         read, after = disk_read_bytes() - read0, table.stats()
         delta = {k: after[k] - before[k] for k in after}
         record["calls"].append({
-            "ms": seconds * 1e3, "read_bytes": read, "unique_pages": delta["unique_pages"],
+            "ms": seconds * 1e3, "cpu_ms": cpu * 1e3, "read_bytes": read,
+            "unique_pages": delta["unique_pages"], "direct_reads": delta["direct_reads"],
+            "row_cache_hits": delta["row_cache_hits"],
             "resident_pages": delta["resident_pages"], "major_faults": delta["major_faults"],
             "advised_pages": delta["advised_pages"],
             "evicted_before_copy": delta["evicted_before_copy"],
@@ -83,7 +100,8 @@ def run_gather_arm(table: ple.Table, layout: Layout, arm: str, requests, state: 
 
 
 def drop_table(table: ple.Table | None, layout: Layout) -> None:
-    """Unmaps the table's pages (madvise DONTNEED) and drops them from the page cache."""
+    """Unmaps the table's pages (madvise DONTNEED) and drops them from the page
+    cache (and empties the row cache)."""
     if table is not None:
         table.drop_page_cache()
     drop_files(layout.paths)
@@ -111,11 +129,11 @@ def run_numpy_arm(layout: Layout, requests, state: str) -> dict:
     digest = hashlib.sha256()
     for ids in ids_np:
         faults0, read0 = major_faults(), disk_read_bytes()
-        start = time.perf_counter()
+        cpu0, start = time.process_time(), time.perf_counter()
         gather(ids, out)
-        seconds = time.perf_counter() - start
+        seconds, cpu = time.perf_counter() - start, time.process_time() - cpu0
         record["calls"].append({
-            "ms": seconds * 1e3, "read_bytes": disk_read_bytes() - read0,
+            "ms": seconds * 1e3, "cpu_ms": cpu * 1e3, "read_bytes": disk_read_bytes() - read0,
             "unique_pages": len(layout.pages(ids)), "major_faults": major_faults() - faults0,
             "advised_pages": 0, "evicted_before_copy": 0})
         digest.update(out.data)
@@ -163,7 +181,8 @@ def run_ceiling_arm(layout: Layout, arm: str, requests, drop: str, engine: str) 
 
 
 def run_arm(table_dir: Path, layout: Layout, arm: str, requests, state: str, drop: str,
-            threads: int | None, engine: str, table: ple.Table | None = None) -> dict:
+            threads: int | None, engine: str, table: ple.Table | None = None,
+            io_queue_depth: int | None = None) -> dict:
     """Runs one arm in this process.  `table`, when given, is an open table to
     reuse; otherwise one is opened (and closed) here."""
     kind, _ = arm_kind(arm)
@@ -174,9 +193,9 @@ def run_arm(table_dir: Path, layout: Layout, arm: str, requests, state: str, dro
     if kind == "numpy":
         return run_numpy_arm(layout, requests, state)
     if table is not None:
-        return run_gather_arm(table, layout, arm, requests, state, drop, threads)
+        return run_gather_arm(table, layout, arm, requests, state, drop, threads, io_queue_depth)
     with ple.Table.from_safetensors(table_dir, PREFIX) as own:
-        return run_gather_arm(own, layout, arm, requests, state, drop, threads)
+        return run_gather_arm(own, layout, arm, requests, state, drop, threads, io_queue_depth)
 
 
 def new_pages_per_call(layout: Layout, requests, drop: str) -> list[int]:

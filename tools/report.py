@@ -28,7 +28,12 @@ def summarize(record: dict, rows: int, new_pages: list[int]) -> dict:
 
     unique = mean("unique_pages")
     read = mean("read_bytes")
+    cpu = mean("cpu_ms")
     record.update({
+        "cpu_ms_per_call": cpu,
+        # CPU per page the call asked for (every one read, cold with O_DIRECT)
+        "cpu_us_per_page": cpu * 1e3 / unique if cpu is not None and unique else None,
+        "direct_reads_per_call": mean("direct_reads"),
         "ms_median": statistics.median(ms), "ms_min": min(ms), "ms_max": max(ms),
         "rows_per_s": rows * n / (sum(ms) / 1e3),
         "unique_pages_per_call": unique,
@@ -50,17 +55,19 @@ def fmt(value, spec: str, missing: str = "-") -> str:
 
 
 def print_table(results: list[dict]) -> None:
-    header = (f"{'arm':<14} {'state':<5} {'median ms':>10} {'min ms':>9} {'max ms':>9} "
+    header = (f"{'arm':<17} {'state':<5} {'median ms':>10} {'min ms':>9} {'max ms':>9} "
+              f"{'cpu ms':>8} {'cpu us/pg':>9} "
               f"{'rows/s':>11} {'pages':>7} {'new':>7} {'read MiB':>9} {'read/uniq':>9} {'maj.flt':>8} "
               f"{'advised':>8} {'evicted':>8}")
     print(header)
     print("-" * len(header))
     for r in results:
         if "error" in r:
-            print(f"{r['arm']:<14} {r['state']:<5} FAILED: {r['error']}")
+            print(f"{r['arm']:<17} {r['state']:<5} FAILED: {r['error']}")
             continue
-        print(f"{r['arm']:<14} {r['state']:<5} {r['ms_median']:>10.2f} {r['ms_min']:>9.2f} "
-              f"{r['ms_max']:>9.2f} {r['rows_per_s']:>11,.0f} "
+        print(f"{r['arm']:<17} {r['state']:<5} {r['ms_median']:>10.2f} {r['ms_min']:>9.2f} "
+              f"{r['ms_max']:>9.2f} {fmt(r['cpu_ms_per_call'], '>8.1f')} "
+              f"{fmt(r['cpu_us_per_page'], '>9.2f')} {r['rows_per_s']:>11,.0f} "
               f"{r['unique_pages_per_call']:>7.0f} {fmt(r['new_pages_per_call'], '>7.0f')} "
               f"{r['read_bytes_per_call'] / MiB:>9.1f} "
               f"{fmt(r['read_over_unique'], '>8.2f')}x {fmt(r['major_faults_per_call'], '>8.0f')} "
@@ -72,7 +79,9 @@ def ratios(results: list[dict]) -> dict:
     """Ratios of median times between the arms of one run, where both ran.
     Per gathering arm: cold, its time over the fastest O_DIRECT ceiling's,
     none's time over its (the speedup over no advice) and, under a memory
-    limit, its time over all's; warm, NumPy's time over its.  Returns
+    limit, its time over all's; warm, NumPy's time over its.  Per direct arm,
+    in either state, its time over the default window arm's (window:4096) in
+    that state and, cold, its CPU per page over that ceiling's.  Returns
     {"reference": the arms compared with and their median ms, "arms": [...]}."""
     ok = [r for r in results if "error" not in r]
     get = {(r["arm"], r["state"]): r for r in ok}
@@ -80,16 +89,24 @@ def ratios(results: list[dict]) -> dict:
     best = min(ceilings, key=lambda r: r["ms_median"]) if ceilings else None
     none, old, numpy_arm = get.get(("none", "cold")), get.get(("all", "cold")), get.get(("numpy", "warm"))
     pressure = any("cgroup" in r for r in ok)
+    best_cpu = best and best.get("cpu_us_per_page")
     reference = {"ceiling": best and best["arm"], "ceiling_ms": best and best["ms_median"],
+                 "ceiling_cpu_us_per_page": best_cpu,
                  "none_ms": none and none["ms_median"], "all_ms": old and old["ms_median"],
-                 "numpy_ms": numpy_arm and numpy_arm["ms_median"], "pressure": pressure}
+                 "numpy_ms": numpy_arm and numpy_arm["ms_median"], "pressure": pressure,
+                 "window": WINDOW_ARM}
     arms = []
     for r in ok:
         if not r.get("sha256") or r is numpy_arm:
             continue
         ms = r["ms_median"]
         cold = r["state"] == "cold"
+        direct = r["arm"].startswith("direct")
+        window = get.get((WINDOW_ARM, r["state"]))
         arms.append({
+            "time_over_window": ms / window["ms_median"] if direct and window else None,
+            "cpu_page_over_ceiling": r["cpu_us_per_page"] / best_cpu
+            if direct and cold and best_cpu and r.get("cpu_us_per_page") else None,
             "arm": r["arm"], "state": r["state"],
             "time_over_ceiling": ms / best["ms_median"] if cold and best else None,
             "none_over_time": none["ms_median"] / ms if cold and none and r is not none else None,
@@ -99,8 +116,12 @@ def ratios(results: list[dict]) -> dict:
     return {"reference": reference, "arms": arms}
 
 
+# The mmap gather the direct arms are compared with: the default config's.
+WINDOW_ARM = "window:4096"
+
 RATIO_COLUMNS = (("time_over_ceiling", "/ ceiling"), ("none_over_time", "none /"),
-                 ("time_over_all", "/ all"), ("numpy_over_time", "numpy /"))
+                 ("time_over_all", "/ all"), ("numpy_over_time", "numpy /"),
+                 ("time_over_window", "/ window"), ("cpu_page_over_ceiling", "cpu/ceil"))
 
 
 def print_ratios(found: dict) -> None:
@@ -120,12 +141,17 @@ def print_ratios(found: dict) -> None:
         print(f"  / all     = the arm's over cold all's ({ref['all_ms']:.1f} ms)")
     if ref["numpy_ms"] is not None:
         print(f"  numpy /   = warm numpy's ({ref['numpy_ms']:.2f} ms) over the arm's")
-    header = f"{'arm':<14} {'state':<5} " + " ".join(f"{title:>10}" for _, title in columns)
+    if any(a["time_over_window"] is not None for a in arms):
+        print(f"  / window  = a direct arm's over {ref['window']}'s in the same state")
+    if any(a["cpu_page_over_ceiling"] is not None for a in arms):
+        print(f"  cpu/ceil  = a direct arm's CPU per page over the ceiling's "
+              f"({ref['ceiling_cpu_us_per_page']:.2f} us)")
+    header = f"{'arm':<17} {'state':<5} " + " ".join(f"{title:>10}" for _, title in columns)
     print(header)
     print("-" * len(header))
     for a in arms:
         if any(a[key] is not None for key, _ in columns):
-            print(f"{a['arm']:<14} {a['state']:<5} "
+            print(f"{a['arm']:<17} {a['state']:<5} "
                   + " ".join(f"{fmt(a[key], '>9.2f', '        -')}{'x' if a[key] is not None else ' '}"
                              for key, _ in columns))
 

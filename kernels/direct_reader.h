@@ -1,0 +1,72 @@
+// The direct-I/O read of a gather (GatherConfig.io "direct"): the rows that no
+// tier or row cache holds, read from the table's files with O_DIRECT through
+// an I/O engine (io_engines.h), each distinct aligned block once, and copied
+// from the engine's aligned buffers into the output.  The page cache is not
+// used, the files' mappings are never touched (so no SIGBUS), and a short
+// read, an I/O error or a truncated file is an OsError naming the file, the
+// byte and the row.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "interrupt.h"
+#include "io_engines.h"
+#include "mapped_table.h"
+
+namespace ple {
+
+// A table's files opened a second time, with O_DIRECT, each through its
+// open descriptor (/proc/self/fd): the same files that the table mapped at
+// open, even if their paths now name others.  What it reads is aligned to
+// block(): the largest direct-I/O offset alignment of the files (statx
+// STATX_DIOALIGN), at least 4 KiB: a 160 B row crosses a 4 KiB boundary 4%
+// of the time, and one of 512 B 31% (two reads for a row).
+class DirectFiles {
+ public:
+  struct File {
+    std::string path;
+    int fd;
+    uint64_t size;   // when the table was opened
+    uintptr_t base;  // where the table maps it: how a row's address names its file
+  };
+
+  // OsError naming the file where the filesystem refuses O_DIRECT (ramfs,
+  // some FUSE and network filesystems).
+  explicit DirectFiles(const std::vector<MappedFile>& files);
+  ~DirectFiles();
+  DirectFiles(const DirectFiles&) = delete;
+  DirectFiles& operator=(const DirectFiles&) = delete;
+
+  const std::vector<File>& files() const { return files_; }  // by ascending base
+  uint64_t block() const { return block_; }
+
+ private:
+  std::vector<File> files_;
+  uint64_t block_ = 0;
+};
+
+// A row to read: its address in the table's mapping (which says the file and
+// the offset) and its place in the request.
+struct DirectRow {
+  uintptr_t address;
+  int64_t position;
+};
+
+struct DirectCounters {
+  uint64_t reads = 0;         // reads that completed (a run of adjacent blocks each)
+  uint64_t read_bytes = 0;    // what they returned
+  uint64_t unique_pages = 0;  // distinct 4 KiB file pages under the rows
+};
+
+// Reads `rows` (sorted here by address) into out + position * row_bytes,
+// with the engines of `backend`, at most `depth` reads in flight in all,
+// spread over up to `threads` threads.  `id_at` gives the id of a position,
+// for errors.  `stop` can end it early (Interrupted; `out` partly written).
+DirectCounters read_direct(const DirectFiles& files, IoBackend backend, int depth, int threads,
+                           int64_t row_bytes, std::vector<DirectRow>& rows, uint8_t* out,
+                           const std::function<int64_t(int64_t)>& id_at, Interruption& stop);
+
+}  // namespace ple
