@@ -366,7 +366,10 @@ def test_tensor_parallel_ranks_with_split_tables_equal_transformers(key, tmp_pat
     model_class, config_class, fields, names = MODELS[key]
     torch.manual_seed(0)
     model_class(config_class(**{**fields, **TP_FIELDS[key]})).save_pretrained(tmp_path / "model")
-    run_ranks(Path(__file__), [key, str(tmp_path)], 2, TP_TIMEOUT_S, tmp_path / "logs")
+    # CPU ranks: where a GPU is visible, transformers' tensor parallelism puts
+    # the model on it while these gloo ranks keep their inputs on the CPU.
+    run_ranks(Path(__file__), [key, str(tmp_path)], 2, TP_TIMEOUT_S, tmp_path / "logs",
+              {**os.environ, "CUDA_VISIBLE_DEVICES": ""})
     for rank in range(2):
         got = torch.load(tmp_path / f"rank{rank}.pt")
         assert_same_bits(got["served"], got["transformers"])
