@@ -9,9 +9,10 @@
 
 namespace ple {
 
-LazyArray::LazyArray(uint64_t bytes) {
+LazyArray::LazyArray(uint64_t bytes, bool sparse) {
   if (bytes == 0) return;
-  void* mapped = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  const int flags = MAP_PRIVATE | MAP_ANONYMOUS | (sparse ? MAP_NORESERVE : 0);
+  void* mapped = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, flags, -1, 0);
   if (mapped == MAP_FAILED) throw std::bad_alloc();
   data_ = static_cast<uint8_t*>(mapped);
   bytes_ = bytes;

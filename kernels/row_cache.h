@@ -24,7 +24,10 @@ namespace ple {
 class LazyArray {
  public:
   LazyArray() = default;
-  explicit LazyArray(uint64_t bytes);  // throws std::bad_alloc when it cannot be mapped
+  // Throws std::bad_alloc when it cannot be mapped.  `sparse`: most of it
+  // will never be written, so the system is not asked to set memory aside
+  // for all of it (MAP_NORESERVE).
+  explicit LazyArray(uint64_t bytes, bool sparse = false);
   ~LazyArray();
   LazyArray(LazyArray&& other) noexcept { swap(other); }
   LazyArray& operator=(LazyArray&& other) noexcept {

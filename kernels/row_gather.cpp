@@ -78,13 +78,14 @@ class ScratchArray {
 // for counting distinct pages across threads and duplicated ids.  Each page
 // has a 16-bit mark: the number of the last gather that saw it, so that a
 // gather starts without clearing anything (the marks are reset once every
-// 65,535 gathers).  2 bytes per 4 KiB page of the mappings' span, in memory
-// that is backed only where marked.
+// 65,535 gathers).  2 bytes per 4 KiB page of the mappings' span (1/2048 of
+// the table's bytes, more where other mappings lie between its files), in
+// memory that is backed only where marked.
 class PageMarks {
  public:
   PageMarks(uintptr_t begin, uintptr_t end)
       : begin_(page_of(begin)),
-        marks_((((end - begin_) >> kPageShift) + 1) * sizeof(uint16_t)) {}
+        marks_((((end - begin_) >> kPageShift) + 1) * sizeof(uint16_t), /*sparse=*/true) {}
 
   void start_gather() {
     if (++gather_ == 0) {

@@ -29,6 +29,12 @@ namespace {
 
 constexpr int64_t kPrefetchRowsAhead = 12;
 
+void spin_pause() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#endif
+}
+
 void fail(const char* what, const char* path) {
   std::fprintf(stderr, "floor_gather: %s %s: %s\n", what, path, std::strerror(errno));
   std::exit(1);
@@ -94,7 +100,7 @@ int main(int argc, char** argv) {
   for (int t = 1; t < threads; ++t) {
     workers.emplace_back([&, t] {
       for (int64_t seen = 0;; ++seen) {
-        while (started.load(std::memory_order_acquire) == seen) __builtin_ia32_pause();
+        while (started.load(std::memory_order_acquire) == seen) spin_pause();
         const int64_t call = started.load(std::memory_order_acquire) - 1;
         if (call < 0) return;
         slice(call % calls, t);
@@ -108,7 +114,7 @@ int main(int argc, char** argv) {
     done.store(0, std::memory_order_relaxed);
     started.store(c + 1, std::memory_order_release);
     slice(c % calls, 0);
-    while (done.load(std::memory_order_acquire) != threads - 1) __builtin_ia32_pause();
+    while (done.load(std::memory_order_acquire) != threads - 1) spin_pause();
     const auto end = std::chrono::steady_clock::now();
     if (c >= calls) micros.push_back(std::chrono::duration<double, std::micro>(end - start).count());
   }
