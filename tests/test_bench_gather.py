@@ -50,7 +50,7 @@ def quick(bench_table):
     proc = run_tool("--quick", "--warm", "--table-gib", 0.0625, "--table", bench_table,
                     "--json", out)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    return proc, json.loads(out.read_text())
+    return proc, json.loads(out.read_text())["results"]
 
 
 def test_quick_reports_every_arm_with_its_fields(quick):
@@ -173,7 +173,7 @@ def test_pressure_run_in_a_memory_cgroup(bench_table, tmp_path):
     if proc.returncode != 0 and "needs a memory cgroup" in proc.stderr:
         pytest.skip(f"no memory cgroup here: {proc.stderr.strip().splitlines()[-1]}")
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    doc = json.loads(out.read_text())
+    doc = json.loads(out.read_text())["results"]
     assert [r["arm"] for r in doc["arms"]] == ["none", "all", "window:4096", "direct",
                                                "direct-cache:256"]
     assert doc["sha256_equal"]

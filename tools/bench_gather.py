@@ -132,7 +132,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "page tables of the mapped table are charged to the group as well (about "
                         "25 MiB for random rows over an 8 GiB table): the tool prints the page "
                         "cache room that is really left")
-    parser.add_argument("--json", type=Path, metavar="PATH", help="write the results as JSON")
+    parser.add_argument("--json", type=Path, metavar="PATH",
+                        help="also write the run as a JSON document (tools/figures.py)")
     parser.add_argument("--plot", type=Path, metavar="PATH",
                         help="write a PNG of time per call and bytes read per arm (needs matplotlib)")
     parser.add_argument("--quick", action="store_true",
@@ -268,6 +269,14 @@ def main(argv=None) -> int:
     if args.child:
         child_main(args.child)
         return 0
+    from ple_tools.figures import recording
+
+    with recording(args.json, "bench_gather", argv) as record:
+        status, record.results = run(args)
+    return status
+
+
+def run(args: argparse.Namespace) -> tuple[int, dict | None]:
     from ple_tools.cgroup import CgroupError, MemoryCgroup
 
     pressure = args.memory_limit is not None
@@ -280,7 +289,7 @@ def main(argv=None) -> int:
                     "cgroup v2 subtree delegated to this user")
             print(f"error: --memory-limit needs a memory cgroup that this tool creates, and it "
                   f"cannot: {error}; {hint}", file=sys.stderr)
-            return 2
+            return 2, None
 
     import torch
 
@@ -355,24 +364,20 @@ def main(argv=None) -> int:
     found = report.ratios(results)
     report.print_ratios(found)
 
-    if args.json:
-        document = report.document(
-            setup, args={k: (str(v) if isinstance(v, Path) else v)
-                         for k, v in vars(args).items() if k != "child"},
-            table={"num_rows": layout.num_rows, "row_bytes": args.row_bytes,
-                   "files": [str(p) for p in layout.paths], "shard_rows": layout.shard_rows},
-            machine={"cpus": os.cpu_count(), "kernel": platform.release(), "load_average": load,
-                     "torch": torch.__version__},
-            results=results, found=found, digests=digests)
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(document, indent=1))
-        print(f"\nresults written to {args.json}")
+    document = report.document(
+        setup, args={k: (str(v) if isinstance(v, Path) else v)
+                     for k, v in vars(args).items() if k != "child"},
+        table={"num_rows": layout.num_rows, "row_bytes": args.row_bytes,
+               "files": [str(p) for p in layout.paths], "shard_rows": layout.shard_rows},
+        machine={"cpus": os.cpu_count(), "kernel": platform.release(), "load_average": load,
+                 "torch": torch.__version__},
+        results=results, found=found, digests=digests)
     if args.plot:
         report.plot(results, args.plot, setup.split(";")[0])
     if failed:
         print(f"FAIL: {len(failed)} arm(s) failed", file=sys.stderr)
-        return 1
-    return 0 if len(digests) <= 1 else 1
+        return 1, document
+    return (0 if len(digests) <= 1 else 1), document
 
 
 if __name__ == "__main__":

@@ -44,7 +44,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -85,7 +84,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--no-prime", dest="prime", action="store_false",
                         help="skip the pass that reads every page of every call once with "
                         "O_DIRECT before the arms (see above)")
-    parser.add_argument("--json", type=Path, metavar="PATH", help="write the results as JSON")
+    parser.add_argument("--json", type=Path, metavar="PATH",
+                        help="also write the run as a JSON document (tools/figures.py)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.zipf <= 1:
@@ -290,6 +290,14 @@ def main(argv=None) -> int:
     if args.child:
         child_main(args.child)
         return 0
+    from ple_tools.figures import recording
+
+    with recording(args.json, "bench_serving", argv) as record:
+        status, record.results = run(args)
+    return status
+
+
+def run(args: argparse.Namespace) -> tuple[int, dict]:
     from ple_tools.cgroup import CgroupError, MemoryCgroup
     from ple_tools.gather_arms import drop_files
     from ple_tools.make_table import PREFIX, ensure_table
@@ -327,16 +335,11 @@ def main(argv=None) -> int:
     load = (load_before, os.getloadavg()[0])
     ratios = report(results, setup)
     print(f"load average (1 min) {load[0]:.2f} before the arms, {load[1]:.2f} after")
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({
-            "setup": setup, "capped": capped,
-            "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()
-                     if k != "child"},
-            "machine": {"cpus": os.cpu_count(), "kernel": platform.release(), "load_average": load},
-            "arms": results, "ratios": ratios}, indent=1))
-        print(f"\nresults written to {args.json}")
-    return 1 if any("error" in r for r in results) or not ratios["same_bytes"] else 0
+    document = {"setup": setup, "capped": capped,
+                "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()
+                         if k != "child"},
+                "load_average": load, "arms": results, "ratios": ratios}
+    return (1 if any("error" in r for r in results) or not ratios["same_bytes"] else 0), document
 
 
 if __name__ == "__main__":

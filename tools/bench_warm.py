@@ -66,7 +66,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0, help="seed of the ids (default 0)")
     parser.add_argument("--cxx", default=os.environ.get("CXX", "c++"),
                         help="the C++ compiler for the floor (default $CXX, else c++)")
-    parser.add_argument("--json", type=Path, metavar="PATH", help="write the results as JSON")
+    parser.add_argument("--json", type=Path, metavar="PATH",
+                        help="also write the run as a JSON document (tools/figures.py)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     return parser.parse_args(argv)
 
@@ -144,6 +145,14 @@ def main(argv=None) -> int:
     if args.child:
         child_main(json.loads(args.child))
         return 0
+    from ple_tools.figures import recording
+
+    with recording(args.json, "bench_warm", argv) as record:
+        status, record.results = run(args)
+    return status
+
+
+def run(args: argparse.Namespace) -> tuple[int, dict]:
     import numpy as np
 
     from ple_tools.make_table import PREFIX, ensure_table
@@ -219,12 +228,8 @@ def main(argv=None) -> int:
     differ = [size for size, found in digests.items() if len(found) > 1]
     for size in differ:
         print(f"FAIL: the arms returned different bytes for {size} ids")
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()},
-                                         "results": rows}, indent=1))
-        print(f"\nresults written to {args.json}")
-    return 1 if differ or failed else 0
+    return (1 if differ or failed else 0), {"args": {k: str(v) for k, v in vars(args).items()},
+                                            "results": rows}
 
 
 if __name__ == "__main__":
