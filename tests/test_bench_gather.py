@@ -142,7 +142,7 @@ def test_quick_cold_arms_read_from_disk(quick):
             # no page cache: every call reads all its pages, and faults on none
             assert r["read_bytes_per_call"] >= r["unique_bytes_per_call"] * 0.99, r["arm"]
             assert r["major_faults_per_call"] == 0 and r["direct_reads_per_call"] > 0
-            assert r["io_backend"] == "io_uring" and r["cpu_ms_per_call"] > 0
+            assert r["io_backend"] in ("io_uring", "aio", "pread") and r["cpu_ms_per_call"] > 0
 
 
 def test_memory_limit_without_cgroup_rights_says_so(tmp_path):
