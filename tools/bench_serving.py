@@ -217,7 +217,10 @@ def run_arm(args, arm: str, capped: bool) -> dict:
 
 def summarize(record: dict) -> dict:
     calls = record.pop("calls")
-    total = lambda key: sum(c[key] for c in calls)  # noqa: E731
+
+    def total(key: str):
+        return sum(c[key] for c in calls)
+
     looked_up = total("row_cache_hits") + total("row_cache_misses")
     record.update({
         "ms_median": statistics.median(c["ms"] for c in calls),
