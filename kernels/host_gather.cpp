@@ -13,7 +13,9 @@
 #include "host_gather.h"
 
 #include <pthread.h>
+#include <unistd.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <cstring>
 #include <map>
@@ -79,13 +81,22 @@ bool doorbell_wanted() {
   return driver().has_stream_memory_ops() && (choice == nullptr || std::strcmp(choice, "host_func") != 0);
 }
 
+// The most threads a host gather runs on: one CPU is left to the thread
+// that waits for the stream (a synchronize spins), which measured faster on
+// the H200 machine (docs/performance.md).
+int64_t host_gather_threads() {
+  static const int64_t cpus = ::sysconf(_SC_NPROCESSORS_ONLN);
+  return std::max<int64_t>(1, cpus - 1);
+}
+
 }  // namespace
 
 void run_host_gather(const HostGatherJob& job) {
   *job.status = 1;
   try {
     std::shared_ptr<MappedTable> table = find_table(job.handle);
-    table->gather(job.ids, /*ids_are_int64=*/true, job.n, job.staging, job.resident);
+    table->gather(job.ids, /*ids_are_int64=*/true, job.n, job.staging, job.resident,
+                  host_gather_threads());
     *job.status = 0;
   } catch (const std::exception& error) {
     record_error(job, error.what());

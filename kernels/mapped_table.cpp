@@ -125,7 +125,7 @@ void MappedTable::unlock_after_fork(bool in_child) {
 }
 
 void MappedTable::gather(const void* ids, bool ids_are_int64, int64_t n, uint8_t* out,
-                         ResidentRange resident) {
+                         ResidentRange resident, int64_t max_threads) {
   Interruption stop;  // the calling thread's poll, if it has one
   switch (prefetch_.take(ids, ids_are_int64, n, out, resident, stop)) {
     case PrefetchQueue::Taken::kHit:
@@ -137,7 +137,8 @@ void MappedTable::gather(const void* ids, bool ids_are_int64, int64_t n, uint8_t
     case PrefetchQueue::Taken::kNothingPending:
       break;
   }
-  gather_rows(*this, ids, ids_are_int64, n, out, resident, /*use_row_cache=*/true, stop);
+  gather_rows(*this, ids, ids_are_int64, n, out, resident, /*use_row_cache=*/true, stop,
+              max_threads);
 }
 
 void MappedTable::prefetch(std::vector<int64_t> ids, ResidentRange resident) {

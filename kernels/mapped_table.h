@@ -96,10 +96,11 @@ class MappedTable {
   RowCache& row_cache() { return row_cache_; }
   GatherScratchPool& scratch_pool() { return scratch_pool_; }
 
-  // The rows `ids` into `out` (see gather_rows), taken from a pending
-  // prefetch of the same ids when there is one (whose rows of resident ids
-  // are zeros: the caller fills those either way).
-  void gather(const void* ids, bool ids_are_int64, int64_t n, uint8_t* out, ResidentRange resident);
+  // The rows `ids` into `out` (see gather_rows, and its `max_threads`),
+  // taken from a pending prefetch of the same ids when there is one (whose
+  // rows of resident ids are zeros: the caller fills those either way).
+  void gather(const void* ids, bool ids_are_int64, int64_t n, uint8_t* out, ResidentRange resident,
+              int64_t max_threads = 0);
 
   // Queues the gather of `ids` on the table's prefetch thread (PrefetchQueue::push).
   void prefetch(std::vector<int64_t> ids, ResidentRange resident);

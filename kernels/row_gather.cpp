@@ -929,9 +929,11 @@ DirectCounters read_from_files(MappedTable& table, const GatherConfig& config,
 }  // namespace
 
 void gather_rows(MappedTable& table, const void* ids, bool ids_are_int64, int64_t n,
-                 uint8_t* out, ResidentRange resident, bool use_row_cache, Interruption& stop) {
+                 uint8_t* out, ResidentRange resident, bool use_row_cache, Interruption& stop,
+                 int64_t max_threads) {
   const auto t0 = std::chrono::steady_clock::now();
-  const GatherConfig config = table.config();
+  GatherConfig config = table.config();
+  if (max_threads > 0) config.threads = static_cast<int>(std::min<int64_t>(config.threads, max_threads));
   int64_t threads = config.threads;
   if (config.policy == Policy::kWindow && config.window_bytes >= kPage) {
     // Every thread keeps its share of the window's pages ahead: at least one.

@@ -56,7 +56,9 @@ struct ResidentRange {
 // `use_row_cache`: look the rows up in the row cache and keep the ones read
 // (false for rows that are about to become resident).  `stop` can end the
 // gather early with Interrupted (`out` is then partly written).
+// `max_threads`, when positive, caps the config's threads for this gather.
 void gather_rows(MappedTable& table, const void* ids, bool ids_are_int64, int64_t n,
-                 uint8_t* out, ResidentRange resident, bool use_row_cache, Interruption& stop);
+                 uint8_t* out, ResidentRange resident, bool use_row_cache, Interruption& stop,
+                 int64_t max_threads = 0);
 
 }  // namespace ple

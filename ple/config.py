@@ -63,7 +63,9 @@ class GatherConfig:
         threads: a request of at least 256 rows per thread is split by
             address range over up to this many threads, which share the
             window.  Default: the machine's CPUs, at most 16; at most
-            ``MAX_THREADS`` (256).
+            ``MAX_THREADS`` (256).  The CUDA operator's host gather runs
+            on at most the CPUs less one: the thread that waits for the
+            stream spins on one.
         row_cache_mib: a host cache of recently gathered disk-tier rows, in
             front of the disk, holding at most this many MiB; 0 (default) is
             off; at most ``MAX_ROW_CACHE_MIB`` (2**40).  With ``io="direct"``

@@ -67,6 +67,20 @@ class Recording:
         self.results = None
 
 
+def without_json(arguments: list[str]) -> list[str]:
+    """A tool's arguments less ``--json PATH``: the command that makes the
+    figures, wherever their document goes."""
+    kept, skip = [], False
+    for argument in arguments:
+        if skip:
+            skip = False
+        elif argument == "--json":
+            skip = True
+        elif not argument.startswith("--json="):
+            kept.append(argument)
+    return kept
+
+
 @contextlib.contextmanager
 def recording(path: Path | None, tool: str, argv: list[str] | None):
     """Runs the body with its standard output also kept, then writes the
@@ -81,7 +95,7 @@ def recording(path: Path | None, tool: str, argv: list[str] | None):
     with contextlib.redirect_stdout(_Tee(sys.stdout, kept)):
         yield record
     arguments = sys.argv[1:] if argv is None else argv
-    document = {"command": shlex.join(["python", f"tools/{tool}.py", *arguments]),
+    document = {"command": shlex.join(["python", f"tools/{tool}.py", *without_json(arguments)]),
                 "machine": machine(), "date": datetime.date.today().isoformat(),
                 "report": kept.getvalue(), "results": record.results}
     path.parent.mkdir(parents=True, exist_ok=True)
