@@ -363,6 +363,7 @@ def test_tensor_parallel_ranks_with_split_tables_equal_transformers(key, tmp_pat
     (tp_size=2), once as transformers does and once with ple's tables split
     by rows across the ranks (process_group=): the same logits on every rank,
     bit for bit."""
+    pytest.importorskip("accelerate", reason="transformers' tensor parallelism needs accelerate")
     model_class, config_class, fields, names = MODELS[key]
     torch.manual_seed(0)
     model_class(config_class(**{**fields, **TP_FIELDS[key]})).save_pretrained(tmp_path / "model")
