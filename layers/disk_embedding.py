@@ -11,13 +11,13 @@ from ple.formats import OUTPUT_DTYPES
 from ple.safetensors_tables import PathsLike
 from ple.table import Table
 
-from .parallel import RowSplit, gather, place, prefetch, served_rows
+from .parallel import PlacesServedRows, RowSplit, gather, prefetch, served_rows
 
 # disk_gather's dtypes, and float64, which the rows are widened to from float32.
 DTYPES = (*OUTPUT_DTYPES, torch.float64)
 
 
-class DiskEmbedding(torch.nn.Module):
+class DiskEmbedding(PlacesServedRows, torch.nn.Module):
     """A drop-in for the lookup of an ``nn.Embedding``: ``forward(ids)`` is
     ``torch.nn.functional.embedding(ids, W)`` bit for bit, ``W`` being the
     table's values (the stored tensor for F32, F16 and BF16 rows; the decoded
@@ -134,12 +134,6 @@ class DiskEmbedding(torch.nn.Module):
         """``(start, stop)``: the table rows this module gathers in this
         process, all of them (this rank's, with a split)."""
         return served_rows(self.split, 0, self.num_embeddings)
-
-    def place(self, device_rows: int = 0, host_rows: int = 0, device=None, progress=None) -> None:
-        """Keeps the first ``device_rows`` rows of :attr:`served_rows` in the
-        memory of ``device`` (a GPU) and the next ``host_rows`` in host memory,
-        as ``Table.place`` does; ``place()`` drops the tiers."""
-        place(self.table, self.served_rows, device_rows, host_rows, device, progress)
 
     def close(self) -> None:
         """Closes the table (unmaps its files); the module cannot run after."""

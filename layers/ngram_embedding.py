@@ -15,7 +15,7 @@ from ple.safetensors_tables import PathsLike, read_checkpoint_entries
 from ple.table import Table
 
 from .ngram_ids import NGramConstants, NGramHashing, decoder_layer
-from .parallel import RowSplit, gather, place, prefetch, served_rows
+from .parallel import PlacesServedRows, RowSplit, gather, prefetch, served_rows
 
 # The reference checkpoint's table, and where transformers' save_pretrained
 # puts the table of decoder layer {layer}; the layer's constants are buffers
@@ -33,7 +33,7 @@ GGUF_EOS = "qwen4exp.ple.eos_token_id"
 GGUF_LAYERS = "qwen4exp.ple.layers"
 
 
-class NGramEmbedding(torch.nn.Module):
+class NGramEmbedding(PlacesServedRows, torch.nn.Module):
     """Each token's rows from its hash heads (the 2-gram heads, then the
     3-gram heads, ...), concatenated: ``forward(token_ids, seq_ids, context)``
     gives ``[T, heads * table.cols]`` in ``dtype`` on the ids' device.  The
@@ -156,12 +156,6 @@ class NGramEmbedding(torch.nn.Module):
         process, its hash heads' rows (of them this rank's, with a split)."""
         return served_rows(self.split, self.hashing.row_offset,
                            self.hashing.row_offset + self.hashing.rows)
-
-    def place(self, device_rows: int = 0, host_rows: int = 0, device=None, progress=None) -> None:
-        """Keeps the first ``device_rows`` rows of :attr:`served_rows` in the
-        memory of ``device`` (a GPU) and the next ``host_rows`` in host memory,
-        as ``Table.place`` does; ``place()`` drops the tiers."""
-        place(self.table, self.served_rows, device_rows, host_rows, device, progress)
 
     def extra_repr(self) -> str:
         split = "" if self.split is None else f", {self.split}"

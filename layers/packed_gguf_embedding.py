@@ -10,10 +10,10 @@ from ple.config import GatherConfig
 from ple.formats import OUTPUT_DTYPES
 from ple.table import Table
 
-from .parallel import RowSplit, gather, place, prefetch, served_rows
+from .parallel import PlacesServedRows, RowSplit, gather, prefetch, served_rows
 
 
-class PackedGGUFEmbedding(torch.nn.Module):
+class PackedGGUFEmbedding(PlacesServedRows, torch.nn.Module):
     """``forward(token_ids)`` gives ``[*token_ids.shape, cols]`` in ``dtype`` on
     the ids' device.  The table stays in its file in its GGUF format (Q8_0,
     Q4_K, ...), as do the host tiers of ``layer.table.place(...)``; only the
@@ -55,12 +55,6 @@ class PackedGGUFEmbedding(torch.nn.Module):
         """``(start, stop)``: the table rows this layer gathers in this
         process, all of them (this rank's, with a split)."""
         return served_rows(self.split, 0, self.num_embeddings)
-
-    def place(self, device_rows: int = 0, host_rows: int = 0, device=None, progress=None) -> None:
-        """Keeps the first ``device_rows`` rows of :attr:`served_rows` in the
-        memory of ``device`` (a GPU) and the next ``host_rows`` in host memory,
-        as ``Table.place`` does; ``place()`` drops the tiers."""
-        place(self.table, self.served_rows, device_rows, host_rows, device, progress)
 
     def extra_repr(self) -> str:
         split = "" if self.split is None else f", {self.split}"

@@ -116,3 +116,14 @@ def prefetch(table: Table, ids: torch.Tensor, split: RowSplit | None) -> None:
     """Starts gathering the host ids ``ids`` exactly as :func:`gather` will ask
     for them (the prefetch serves only an equal request)."""
     table.prefetch(ids if split is None else split.ids_to_gather(ids))
+
+
+class PlacesServedRows:
+    """``place()`` for a layer over a table: the layer has ``table`` and
+    ``served_rows`` (the rows it gathers in this process)."""
+
+    def place(self, device_rows: int = 0, host_rows: int = 0, device=None, progress=None) -> None:
+        """Keeps the first ``device_rows`` rows of :attr:`served_rows` in the
+        memory of ``device`` (a GPU) and the next ``host_rows`` in host memory,
+        as ``Table.place`` does; ``place()`` drops the tiers."""
+        place(self.table, self.served_rows, device_rows, host_rows, device, progress)
