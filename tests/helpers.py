@@ -5,8 +5,10 @@ a process group run as processes."""
 
 from __future__ import annotations
 
+import ctypes
 import importlib.util
 import json
+import mmap
 import os
 import re
 import struct
@@ -51,6 +53,26 @@ class ByteTable:
             f, offset = int(self.row_file[i]), int(self.row_offset[i])
             pages.update((f, p) for p in range(offset // PAGE, (offset + self.row_bytes - 1) // PAGE + 1))
         return len(pages)
+
+
+def resident_pages(path, start: int = 0, end: int | None = None) -> int:
+    """Pages of the file's bytes [start, end) in the page cache: mincore over
+    a private mapping of them (which maps the cached pages without reading
+    any)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    end = os.path.getsize(path) if end is None else end
+    first_page = start // PAGE * PAGE
+    size = end - first_page
+    vec = (ctypes.c_ubyte * ((size + PAGE - 1) // PAGE))()
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY,
+                                          offset=first_page) as mapped:
+        first = ctypes.c_char.from_buffer(mapped)
+        try:
+            assert libc.mincore(ctypes.c_void_p(ctypes.addressof(first)), ctypes.c_size_t(size),
+                                vec) == 0, os.strerror(ctypes.get_errno())
+        finally:
+            del first
+    return sum(v & 1 for v in vec)
 
 
 def run_threads(worker: Callable[[int], None], n: int) -> None:

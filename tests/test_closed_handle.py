@@ -22,7 +22,7 @@ def table(tmp_path):
 def test_the_handle_of_a_closed_table_names_it(table):
     handle = table.handle
     table.close()
-    with pytest.raises(ValueError, match=rf"ple table 'ngram_rows' is closed: a table must stay open"):
+    with pytest.raises(ValueError, match=r"ple table 'ngram_rows' is closed: a table must stay open"):
         table.handle
     with pytest.raises(ValueError, match=rf"ple table 'ngram_rows' \(handle {handle}\) is closed"):
         torch.ops.ple.disk_gather(torch.tensor([1]), handle)

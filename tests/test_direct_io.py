@@ -10,12 +10,9 @@ The risky cases (forks, signals, seccomp) run in a subprocess with a timeout
 
 from __future__ import annotations
 
-import ctypes
-import mmap
 import os
 import subprocess
 import threading
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -23,7 +20,7 @@ import torch
 from safetensors.torch import save_file
 
 import ple
-from helpers import PAGE, ByteTable, run_threads, write_byte_table
+from helpers import PAGE, ByteTable, resident_pages, run_threads, write_byte_table
 from ple import GatherConfig
 from test_process_safety import expect_ok, run_script, skip_if_early, write_rows
 
@@ -184,23 +181,6 @@ def test_a_bad_id_raises_before_anything_is_read_or_written(sharded):
         table.gather_bytes(torch.tensor([0, 5, NUM_ROWS]), out=out)
     assert (out == 0xA5).all()
     assert table.stats()["direct_reads"] == 0
-
-
-def resident_pages(path) -> int:
-    """Pages of the file in the page cache: mincore over a private mapping of
-    it (which maps the cached pages without reading any)."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    size = os.path.getsize(path)
-    pages = (size + PAGE - 1) // PAGE
-    vec = (ctypes.c_ubyte * pages)()
-    with open(path, "rb") as f, mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY) as mapped:
-        first = ctypes.c_char.from_buffer(mapped)
-        try:
-            assert libc.mincore(ctypes.c_void_p(ctypes.addressof(first)), ctypes.c_size_t(size),
-                                vec) == 0, os.strerror(ctypes.get_errno())
-        finally:
-            del first
-    return sum(v & 1 for v in vec)
 
 
 def test_direct_reads_leave_the_page_cache_alone(spread, backend):

@@ -15,7 +15,7 @@ import torch._dynamo.utils
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ple.layers.ngram_ids import (NGramConstants, NGramHashing, is_prime, next_prime, ple_layer_index,
+from ple.layers.ngram_ids import (NGramHashing, is_prime, next_prime, ple_layer_index,
                                   splitmix64)
 
 # ---- the transcription ------------------------------------------------------------

@@ -16,6 +16,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -309,18 +310,29 @@ def test_a_sigbus_handler_replaced_during_a_gather(tmp_path, replacement):
     """Another handler takes SIGBUS while a gather runs (after it made sure of
     its own), then a page of the file goes away: an OSError, not a dead
     process (SIG_DFL) or a gather that never returns (a Python handler, which
-    returns to the faulting copy)."""
+    returns to the faulting copy).
+
+    The gather reads a row on each of 32,768 cold pages, then rows of the last
+    MiB, which the truncation takes away.  The handler is replaced once the
+    gather has begun; the case holds only if the gather then still had the
+    last 512 of those pages to read (none of them resident just after the
+    truncation), so that it went by a handler check (every 256 rows) before
+    it came to the missing pages.  A gather closer to the end than that
+    could meet them under the other handler, which no check can prevent."""
     path = tmp_path / "t.safetensors"
-    rows = 12 << 16  # 48 MiB
+    rows = 33 << 16  # 132 MiB
     write_rows(path, rows)
     handler = "signal.SIG_DFL" if replacement == "SIG_DFL" else "lambda *_: None"
     result = run_script(f"""
+        from helpers import resident_pages
         t = ple.Table.from_safetensors(PATH, config=ple.GatherConfig("none", 0, 1))
         t.gather_bytes(torch.tensor([0]))   # the gather's handler is in
         t.drop_page_cache()
         rows = t.num_rows
-        # A row on each of the first 8,192 pages (cold: seconds), then rows of the last MiB.
-        ids = torch.cat([torch.arange(0, 8192 * 64, 64), torch.arange(rows - 16384, rows, 97)])
+        size = os.path.getsize(PATH)
+        data = size - rows * 64
+        pages = 32768
+        ids = torch.cat([torch.arange(0, pages * 64, 64), torch.arange(rows - 16384, rows, 97)])
         outcome = []
 
         def gather():
@@ -332,16 +344,21 @@ def test_a_sigbus_handler_replaced_during_a_gather(tmp_path, replacement):
 
         worker = threading.Thread(target=gather, daemon=True)
         worker.start()
-        time.sleep(0.3)
+        deadline = time.monotonic() + 10
+        while resident_pages(PATH, data, data + 16 * 4096) == 0 and time.monotonic() < deadline:
+            time.sleep(0.001)
         signal.signal(signal.SIGBUS, {handler})
-        os.truncate(PATH, os.path.getsize(PATH) - (2 << 20))
-        worker.join(30)
-        if outcome == ["returned"]:
-            print("EARLY: the gather had read the end before the truncation")
+        os.truncate(PATH, size - (2 << 20))
+        near_end = resident_pages(PATH, data + (pages - 512) * 4096, data + pages * 4096)
+        worker.join(50)
+        if outcome == ["returned"] or near_end:
+            print(f"EARLY: the gather was {{'done' if outcome == ['returned'] else 'near the end'}}"
+                  " when the handler was replaced")
         print("outcome:", outcome or "hung")
         sys.stdout.flush()
         os._exit(0)
-    """, path)
+    """, path, timeout=90, env={**os.environ, "PYTHONPATH": os.pathsep.join(
+        filter(None, [str(Path(__file__).parent), os.environ.get("PYTHONPATH")]))})
     skip_if_early(result)
     expect_ok(result, "outcome: ['OSError:", "could not be read")
 
