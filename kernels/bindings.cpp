@@ -107,6 +107,7 @@ py::tuple config_fields() {
     entry["unit_bytes"] = field.unit_bytes;
     entry["least"] = field.least;
     entry["most"] = field.most;
+    entry["power_of_two"] = field.power_of_two;
     fields.append(entry);
   }
   fields.append(choice_field("io", "io mode", ple::kIoModes));
@@ -115,10 +116,11 @@ py::tuple config_fields() {
 
 // GatherConfig's fields with the sizes in bytes (unit_bytes times the value).
 void configure(int64_t handle, const std::string& policy, uint64_t window_bytes, int threads,
-               uint64_t row_cache_bytes, int io_queue_depth, const std::string& io) {
+               uint64_t row_cache_bytes, int io_queue_depth, uint64_t io_block_bytes,
+               const std::string& io) {
   auto table = ple::find_table(handle);
   const ple::GatherConfig config{ple::parse_policy(policy), window_bytes, threads, row_cache_bytes,
-                                 io_queue_depth, ple::parse_io(io)};
+                                 io_queue_depth, io_block_bytes, ple::parse_io(io)};
   py::gil_scoped_release no_gil;  // opening files for direct reads may wait for the disk
   table->set_config(config);
 }
@@ -130,6 +132,10 @@ std::string io_backend(int64_t handle) {
   if (table->config().io == ple::Io::kMmap) return "mmap";
   return ple::backend_name(table->io_backend());
 }
+
+// The bytes of a block that direct reads are made of (GatherConfig.io
+// "direct"); 0 with io "mmap".
+uint64_t io_block_bytes(int64_t handle) { return ple::find_table(handle)->io_block_bytes(); }
 
 // ids: contiguous int32/int64 CPU tensor; out: contiguous uint8 CPU tensor of
 // ids.numel() * row_bytes bytes.  The caller (ops/) checks shapes and dtypes,
@@ -196,6 +202,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("configure", &configure,
         "Sets policy, window (bytes), threads, row cache (bytes), io queue depth and io mode");
   m.def("io_backend", &io_backend, "What reads a table's rows from its files");
+  m.def("io_block_bytes", &io_block_bytes, "The block of a table's direct reads (0: io mmap)");
   m.def(
       "gather",
       [](int64_t handle, const torch::Tensor& ids, torch::Tensor& out, int64_t resident_begin,

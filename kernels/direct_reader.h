@@ -7,6 +7,7 @@
 // byte and the row.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <functional>
 #include <string>
@@ -20,10 +21,10 @@ namespace ple {
 
 // A table's files opened a second time, with O_DIRECT, each through its
 // open descriptor (/proc/self/fd): the same files that the table mapped at
-// open, even if their paths now name others.  What it reads is aligned to
-// block(): the largest direct-I/O offset alignment of the files (statx
-// STATX_DIOALIGN), at least 4 KiB: a 160 B row crosses a 4 KiB boundary 4%
-// of the time, and one of 512 B 31% (two reads for a row).
+// open, even if their paths now name others.  Reads are aligned to
+// alignment(): the largest direct-I/O offset alignment of the files (statx
+// STATX_DIOALIGN: the device's logical block size, 512 B or 4 KiB; 4 KiB
+// where the kernel does not say).
 class DirectFiles {
  public:
   struct File {
@@ -41,11 +42,14 @@ class DirectFiles {
   DirectFiles& operator=(const DirectFiles&) = delete;
 
   const std::vector<File>& files() const { return files_; }  // by ascending base
-  uint64_t block() const { return block_; }
+  uint64_t alignment() const { return alignment_; }
+  // The block of reads for GatherConfig.io_block_bytes `requested`: the
+  // alignment where it is 0 or smaller.
+  uint64_t block(uint64_t requested) const { return std::max(requested, alignment_); }
 
  private:
   std::vector<File> files_;
-  uint64_t block_ = 0;
+  uint64_t alignment_ = 0;
 };
 
 // A row to read: its address in the table's mapping (which says the file and
@@ -62,11 +66,12 @@ struct DirectCounters {
 };
 
 // Reads `rows` (sorted here by address) into out + position * row_bytes,
-// with the engines of `backend`, at most `depth` reads in flight in all,
-// spread over up to `threads` threads.  `id_at` gives the id of a position,
+// in reads of whole `block`s (a power of two, from files.alignment() to
+// kMaxReadBytes), with the engines of `backend`, at most `depth` reads in
+// flight in all, spread over up to `threads` threads.  `id_at` gives the id of a position,
 // for errors.  `stop` can end it early (Interrupted; `out` partly written).
-DirectCounters read_direct(const DirectFiles& files, IoBackend backend, int depth, int threads,
-                           int64_t row_bytes, std::vector<DirectRow>& rows, uint8_t* out,
+DirectCounters read_direct(const DirectFiles& files, uint64_t block, IoBackend backend, int depth,
+                           int threads, int64_t row_bytes, std::vector<DirectRow>& rows, uint8_t* out,
                            const std::function<int64_t(int64_t)>& id_at, Interruption& stop);
 
 }  // namespace ple

@@ -44,6 +44,11 @@ void check_config(const GatherConfig& config) {
   check_range("row cache bytes", config.row_cache_bytes, 0, uint64_t{kMaxRowCacheMib} * kMiB);
   if (config.io_queue_depth < 1) throw std::invalid_argument("io_queue_depth must be at least 1");
   check_range("io_queue_depth", static_cast<uint64_t>(config.io_queue_depth), 1, kMaxIoQueueDepth);
+  check_range("io_block_bytes", config.io_block_bytes, 0, kMaxIoBlockBytes);
+  if ((config.io_block_bytes & (config.io_block_bytes - 1)) != 0) {
+    throw std::invalid_argument("io_block_bytes must be 0 or a power of two, got " +
+                                std::to_string(config.io_block_bytes));
+  }
 }
 
 }  // namespace ple

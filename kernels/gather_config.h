@@ -71,18 +71,21 @@ constexpr int64_t kMaxRowCacheMib = int64_t{1} << 40;
 // serves no more (README "Direct I/O").
 constexpr int64_t kMaxIoQueueDepth = 1024;
 constexpr int64_t kDefaultIoQueueDepth = 64;
+// The largest block of a direct read: a read is at most 64 KiB (io_engines.h).
+constexpr int64_t kMaxIoBlockBytes = 64 * 1024;
 // The units of the two sizes.
 constexpr int64_t kKiB = 1024, kMiB = 1024 * 1024;
 
 // One int field of GatherConfig as Python sees it: a value in `unit`, which
 // is `unit_bytes` bytes (0: a count, not a size), between `least` and `most`
-// (both included).
+// (both included), and a power of two or 0 where `power_of_two`.
 struct ConfigField {
   const char* name;
   const char* unit;
   int64_t unit_bytes;
   int64_t default_value;  // for threads: the cap of the machine's CPUs
   int64_t least, most;
+  bool power_of_two = false;
 };
 
 // GatherConfig's int fields, in its order (policy comes first, io last).
@@ -91,6 +94,7 @@ inline constexpr ConfigField kConfigFields[] = {
     {"threads", "threads", 0, kDefaultThreadsCap, 1, kMaxThreads},
     {"row_cache_mib", "MiB", kMiB, 0, 0, kMaxRowCacheMib},
     {"io_queue_depth", "reads", 0, kDefaultIoQueueDepth, 1, kMaxIoQueueDepth},
+    {"io_block_bytes", "bytes", 1, 0, 0, kMaxIoBlockBytes, true},
 };
 
 // A table's settings as the native side holds them: sizes in bytes.
@@ -100,6 +104,8 @@ struct GatherConfig {
   int threads = 1;
   uint64_t row_cache_bytes = 0;
   int io_queue_depth = kDefaultIoQueueDepth;
+  // The block of direct reads; 0: the files' direct-I/O alignment.
+  uint64_t io_block_bytes = 0;
   Io io = kIoModes[0].io;
 };
 

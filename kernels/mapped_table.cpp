@@ -180,6 +180,11 @@ const DirectFiles& MappedTable::direct_files() const {
   return *direct_files_;
 }
 
+uint64_t MappedTable::io_block_bytes() const {
+  std::lock_guard<std::mutex> lock(config_mutex_);
+  return config_.io == Io::kMmap ? 0 : direct_files_->block(config_.io_block_bytes);
+}
+
 IoBackend MappedTable::io_backend() const {
   std::lock_guard<std::mutex> lock(config_mutex_);
   return io_backend_;

@@ -91,6 +91,8 @@ class MappedTable {
   // reads them (set by set_config before any config with io "direct").
   const DirectFiles& direct_files() const;
   IoBackend io_backend() const;
+  // The block of the direct reads that the config makes; 0 for io "mmap".
+  uint64_t io_block_bytes() const;
 
   GatherCounters& counters() { return counters_; }
   RowCache& row_cache() { return row_cache_; }

@@ -921,8 +921,9 @@ DirectCounters read_from_files(MappedTable& table, const GatherConfig& config,
   for (const Part& part : scratch.parts) {
     for (int64_t k = part.begin; k < part.end; ++k) direct.push_back({rows[k].address, rows[k].position});
   }
-  return read_direct(table.direct_files(), table.io_backend(), config.io_queue_depth,
-                     config.threads, table.row_bytes(), direct, out,
+  const DirectFiles& files = table.direct_files();
+  return read_direct(files, files.block(config.io_block_bytes), table.io_backend(),
+                     config.io_queue_depth, config.threads, table.row_bytes(), direct, out,
                      [&](int64_t position) { return id_at(ids, ids_are_int64, position); }, stop);
 }
 

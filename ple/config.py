@@ -31,7 +31,8 @@ MAX_PREFETCH_WINDOW_KIB: int = FIELDS["prefetch_window_kib"]["most"]
 # The largest row cache budget, 2**40 MiB (2**60 bytes); a budget that the
 # machine cannot map fails when it is set, with MemoryError.
 MAX_ROW_CACHE_MIB: int = FIELDS["row_cache_mib"]["most"]
-# Each int field's allowed range, both ends included.
+# Each int field's allowed range, both ends included (io_block_bytes is also
+# 0 or a power of two).
 RANGES: dict[str, tuple[int, int]] = {
     name: (entry["least"], entry["most"]) for name, entry in FIELDS.items() if "least" in entry}
 # Each choice field's choices.
@@ -72,6 +73,12 @@ class GatherConfig:
             it is the only cache: without it every gather reads the disk.
         io_queue_depth: with ``io="direct"``, the most reads in flight
             (default 64; 1 to 1024), shared by the gather's threads.
+        io_block_bytes: with ``io="direct"``, the block that reads are
+            made of: each distinct block under the rows is read once.  0
+            (default) takes the smallest the files allow, their direct-I/O
+            alignment (the device's logical block size: 512 B or 4 KiB);
+            another value is a power of two up to 65536, and a block never
+            smaller than that alignment.
         io: where the rows that no tier or row cache holds come from
             (``IO_MODES``): "mmap" (default) copies them out of the files'
             mappings, through the page cache, with ``policy``'s advice;
@@ -90,6 +97,7 @@ class GatherConfig:
     threads: int = field(default_factory=_default_threads)
     row_cache_mib: int = FIELDS["row_cache_mib"]["default"]
     io_queue_depth: int = FIELDS["io_queue_depth"]["default"]
+    io_block_bytes: int = FIELDS["io_block_bytes"]["default"]
     io: str = FIELDS["io"]["default"]
 
     def __post_init__(self):
@@ -105,6 +113,8 @@ class GatherConfig:
                 bound = f"at least {least}" if value < least else f"at most {most}"
                 raise ValueError(f"{name} must be {bound}, got {value} (the range is "
                                  f"[{least}, {most}])")
+            if FIELDS[name]["power_of_two"] and value & (value - 1):
+                raise ValueError(f"{name} must be 0 or a power of two, got {value}")
 
     @classmethod
     def from_spec(cls, spec: str, **fields) -> "GatherConfig":

@@ -88,6 +88,8 @@ class Table:
         io_backend: what reads its rows from the files: "mmap" (with
             ``config.io == "mmap"``), or the direct-I/O backend chosen when
             the config was assigned: "io_uring", "aio" or "pread".
+        io_block_bytes: with ``io="direct"``, the block its reads are made
+            of (512 or 4096 by default: the files' direct-I/O alignment).
         tiers: the rows kept in device and host memory (``ple.tiers.Tiers``,
             made by :meth:`place`), or None.
         resident_range: ``(begin, end)``: rows ``[begin, end)`` are in the
@@ -213,6 +215,13 @@ class Table:
         "io_uring", "aio" or "pread" (the first that this process may use,
         from the one the environment variable ``PLE_IO_BACKEND`` names)."""
         return native.io_backend(self.handle)
+
+    @property
+    def io_block_bytes(self) -> int | None:
+        """With ``io="direct"``, the bytes of the blocks its reads are made of
+        (``config.io_block_bytes``, or the files' direct-I/O alignment where
+        that is 0 or smaller); None with ``io="mmap"``."""
+        return native.io_block_bytes(self.handle) or None
 
     @property
     def resident_range(self) -> tuple[int, int]:

@@ -139,8 +139,9 @@ def test_quick_cold_arms_read_from_disk(quick):
     assert window["advised_pages_per_call"] > 0
     for r in doc["arms"]:
         if r["arm"] in DIRECT and r["state"] == "cold":
-            # no page cache: every call reads all its pages, and faults on none
-            assert r["read_bytes_per_call"] >= r["unique_bytes_per_call"] * 0.99, r["arm"]
+            # no page cache: every call reads a block (512 B at least) of each of
+            # its pages, and faults on none
+            assert r["read_bytes_per_call"] >= r["unique_bytes_per_call"] / 4096 * 512, r["arm"]
             assert r["major_faults_per_call"] == 0 and r["direct_reads_per_call"] > 0
             assert r["io_backend"] in ("io_uring", "aio", "pread") and r["cpu_ms_per_call"] > 0
 

@@ -38,12 +38,20 @@ def test_the_limits():
     ("row_cache_mib", -1, 0, MAX_ROW_CACHE_MIB),
     ("io_queue_depth", 0, 1, 1024),
     ("io_queue_depth", 1025, 1, 1024),
+    ("io_block_bytes", -1, 0, 65536),
+    ("io_block_bytes", 131072, 0, 65536),
 ])
 def test_out_of_range_is_a_value_error_naming_field_value_and_range(field, value, least, most):
     bound = f"at least {least}" if value < least else f"at most {most}"
     message = f"{field} must be {bound}, got {value} (the range is [{least}, {most}])"
     with pytest.raises(ValueError, match=re.escape(message)):
         GatherConfig(**{field: value})
+
+
+@pytest.mark.parametrize("value", [3, 511, 4097, 65535])
+def test_a_block_that_is_not_a_power_of_two_is_a_value_error(value):
+    with pytest.raises(ValueError, match=f"io_block_bytes must be 0 or a power of two, got {value}$"):
+        GatherConfig(io_block_bytes=value)
 
 
 def test_the_largest_values_are_taken_by_a_table(tmp_path):
@@ -91,8 +99,12 @@ def test_fields_defaults_units_and_ranges_are_the_native_parts():
     assert (by_name["row_cache_mib"]["unit"], by_name["row_cache_mib"]["unit_bytes"]) == ("MiB", 1 << 20)
     assert by_name["threads"]["unit_bytes"] == 0
     assert by_name["io_queue_depth"]["unit_bytes"] == 0
-    config = GatherConfig("distance", 7, 3, 5, 9, "direct")
-    assert config._native_args() == ("distance", 7 << 10, 3, 5 << 20, 9, "direct")
+    assert default.io_block_bytes == by_name["io_block_bytes"]["default"] == 0
+    assert RANGES["io_block_bytes"] == (0, 65536)
+    assert (by_name["io_block_bytes"]["unit"], by_name["io_block_bytes"]["unit_bytes"]) == ("bytes", 1)
+    assert [name for name, e in by_name.items() if e.get("power_of_two")] == ["io_block_bytes"]
+    config = GatherConfig("distance", 7, 3, 5, 9, 4096, "direct")
+    assert config._native_args() == ("distance", 7 << 10, 3, 5 << 20, 9, 4096, "direct")
 
 
 def test_the_native_side_refuses_what_gather_config_refuses(tmp_path):
@@ -107,17 +119,19 @@ def test_the_native_side_refuses_what_gather_config_refuses(tmp_path):
             native.configure(table.handle, *GatherConfig(policy, MAX_PREFETCH_WINDOW_KIB,
                                                          MAX_THREADS)._native_args())
         with pytest.raises(ValueError, match="unknown prefetch policy 'sometimes'"):
-            native.configure(table.handle, "sometimes", 0, 1, 0, 64, "mmap")
+            native.configure(table.handle, "sometimes", 0, 1, 0, 64, 0, "mmap")
         with pytest.raises(ValueError, match="window bytes must be at most"):
             native.configure(table.handle, "window", (MAX_PREFETCH_WINDOW_KIB << 10) + 1, 1, 0, 64,
-                             "mmap")
+                             0, "mmap")
         with pytest.raises(ValueError, match="row cache bytes must be at most"):
-            native.configure(table.handle, "window", 0, 1, (MAX_ROW_CACHE_MIB << 20) + 1, 64, "mmap")
+            native.configure(table.handle, "window", 0, 1, (MAX_ROW_CACHE_MIB << 20) + 1, 64, 0, "mmap")
         with pytest.raises(ValueError, match="threads must be at least 1"):
-            native.configure(table.handle, "window", 0, 0, 0, 64, "mmap")
+            native.configure(table.handle, "window", 0, 0, 0, 64, 0, "mmap")
         with pytest.raises(ValueError, match="io_queue_depth must be at most 1024, got 1025"):
-            native.configure(table.handle, "window", 0, 1, 0, 1025, "direct")
+            native.configure(table.handle, "window", 0, 1, 0, 1025, 0, "direct")
+        with pytest.raises(ValueError, match="io_block_bytes must be 0 or a power of two, got 768"):
+            native.configure(table.handle, "window", 0, 1, 0, 64, 768, "direct")
         with pytest.raises(ValueError, match=r"unknown io mode 'dax' \(expected one of mmap, direct\)"):
-            native.configure(table.handle, "window", 0, 1, 0, 64, "dax")
+            native.configure(table.handle, "window", 0, 1, 0, 64, 0, "dax")
         table.config = GatherConfig()
         assert torch.equal(torch.ops.ple.disk_gather(torch.tensor([3]), table.handle), torch.zeros(1, 4))

@@ -87,14 +87,16 @@ def request_ids(rng: np.random.Generator, num_rows: int = NUM_ROWS, n: int = 200
 
 
 def block_bytes(fx: ByteTable, ids) -> int:
-    """Bytes in the distinct 4 KiB blocks under the rows ``ids``, each file's
-    last block only as far as the file goes: what direct reads must read."""
+    """Bytes in the distinct blocks (of the table's io_block_bytes) under the
+    rows ``ids``, each file's last block only as far as the file goes: what
+    direct reads must read."""
+    block = fx.table.io_block_bytes
     sizes = [os.path.getsize(p) for p in fx.table.paths]
     blocks = set()
     for i in np.unique(np.asarray(ids)).tolist():
         f, offset = int(fx.row_file[i]), int(fx.row_offset[i])
-        blocks.update((f, b) for b in range(offset // PAGE, (offset + fx.row_bytes - 1) // PAGE + 1))
-    return sum(min(PAGE, sizes[f] - b * PAGE) for f, b in blocks)
+        blocks.update((f, b) for b in range(offset // block, (offset + fx.row_bytes - 1) // block + 1))
+    return sum(min(block, sizes[f] - b * block) for f, b in blocks)
 
 
 def gather(fx: ByteTable, ids) -> np.ndarray:
@@ -103,12 +105,14 @@ def gather(fx: ByteTable, ids) -> np.ndarray:
 
 # Bytes ----------------------------------------------------------------------------
 
+@pytest.mark.parametrize("block", [0, 4096], ids=lambda b: f"io_block_bytes={b}")
 @pytest.mark.parametrize("row_cache_mib", [0, 4], ids=lambda m: f"row_cache_mib={m}")
 @pytest.mark.parametrize("threads", [1, 3], ids=lambda t: f"threads={t}")
 def test_direct_matches_the_reference_and_reads_each_block_once(sharded, backend, threads,
-                                                                row_cache_mib):
+                                                                row_cache_mib, block):
     fx, table = sharded, sharded.table
-    table.config = direct(threads, row_cache_mib)
+    table.config = GatherConfig()  # no row cache: the one set next starts empty
+    table.config = direct(threads, row_cache_mib, io_block_bytes=block)
     assert table.io_backend == backend
     ids = request_ids(np.random.default_rng([fx.row_bytes, threads, row_cache_mib]))
     table.reset_stats()
@@ -161,6 +165,23 @@ def test_reads_spread_over_threads_and_depths(spread, backend, threads, depth):
     s = table.stats()
     assert s["direct_reads"] == 3000
     assert s["direct_read_bytes"] == block_bytes(spread, ids)
+
+
+def test_the_block_is_the_files_alignment_unless_asked_for_a_larger_one(spread):
+    table = spread.table
+    table.config = GatherConfig()
+    assert table.io_block_bytes is None
+    table.config = direct(io_block_bytes=0)
+    alignment = table.io_block_bytes
+    assert alignment in (512, 1024, 2048, 4096)
+    table.config = direct(io_block_bytes=256)  # smaller than the files allow
+    assert table.io_block_bytes == alignment
+    table.config = direct(io_block_bytes=65536)
+    assert table.io_block_bytes == 65536
+    ids = np.arange(0, 6000, 7)
+    table.reset_stats()
+    assert np.array_equal(gather(spread, ids), spread.reference[ids])
+    assert table.stats()["direct_read_bytes"] == block_bytes(spread, ids)
 
 
 def test_int32_scalar_and_empty_ids(sharded):

@@ -19,11 +19,14 @@ def test_every_block_of_the_page_is_its_document():
     assert stale == [], f"stale blocks (run python tools/figures.py): {stale}"
 
 
-def test_recording_keeps_the_report_and_results(tmp_path, capsys):
+def test_run_recorded_keeps_the_report_and_results(tmp_path, capsys):
     path = tmp_path / "run.json"
-    with figures.recording(path, "demo", ["--mib", "4", "--json", str(path)]) as record:
+
+    def run():
         print("arm  ms/call\nnone  1.5")
-        record.results = [{"arm": "none", "ms": 1.5}]
+        return 3, [{"arm": "none", "ms": 1.5}]
+
+    assert figures.run_recorded(path, "demo", ["--mib", "4", "--json", str(path)], run) == 3
     assert capsys.readouterr().out == "arm  ms/call\nnone  1.5\n"  # still printed
     document = json.loads(path.read_text())
     assert document["command"] == "python tools/demo.py --mib 4"

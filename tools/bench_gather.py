@@ -3,7 +3,8 @@ and against what the disk serves, cold, warm and under memory pressure.
 
     ple-bench-gather [--table-gib 8] [--calls 16] [--rows 18000]
                      [--windows 64,1024,4096,16384] [--warm]
-                     [--direct-cache MiB] [--io-queue-depth N] [--cpu-load N]
+                     [--direct-cache MiB] [--direct-blocks BYTES,...]
+                     [--io-queue-depth N] [--cpu-load N]
                      [--memory-limit MiB --ballast MiB]
                      [--json PATH] [--plot PATH] [--quick]
     (or python tools/bench_gather.py ...)
@@ -20,6 +21,8 @@ Arms, each running the same calls with the same seeded random ids:
                   cache and no row cache: every call reads the disk
   direct-cache:MiB  the same with a row cache of MiB (--direct-cache): warm,
                   the rows come from it
+  direct-block:BYTES  direct with reads of BYTES blocks (--direct-blocks;
+                  direct's own are the files' direct-I/O alignment)
   ceiling:DEPTH   not a gather: the unique 4 KiB pages under each call's rows,
                   read with O_DIRECT (no page cache, no mmap) with DEPTH reads
                   in flight (Linux AIO, or --ceiling-engine threads: a pool of
@@ -66,6 +69,8 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from ple_tools.figures import add_json_option
+
 if TYPE_CHECKING:  # for annotations; imported after parsing
     from ple_tools.table_layout import Layout
 
@@ -105,6 +110,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, help="GatherConfig.threads (default: its default)")
     parser.add_argument("--direct-cache", type=int, default=256, metavar="MiB",
                         help="row cache of the direct-cache:MiB arm (default 256; 0: no such arm)")
+    parser.add_argument("--direct-blocks", default="", metavar="BYTES,...",
+                        help="io_block_bytes of direct-block:BYTES arms, comma separated "
+                             "(default none)")
     parser.add_argument("--no-direct", dest="direct", action="store_false",
                         help="leave out the direct and direct-cache arms")
     parser.add_argument("--io-queue-depth", type=int, metavar="N",
@@ -132,8 +140,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "page tables of the mapped table are charged to the group as well (about "
                         "25 MiB for random rows over an 8 GiB table): the tool prints the page "
                         "cache room that is really left")
-    parser.add_argument("--json", type=Path, metavar="PATH",
-                        help="also write the run as a JSON document (tools/figures.py)")
+    add_json_option(parser)
     parser.add_argument("--plot", type=Path, metavar="PATH",
                         help="write a PNG of time per call and bytes read per arm (needs matplotlib)")
     parser.add_argument("--quick", action="store_true",
@@ -160,6 +167,7 @@ def arm_list(args) -> list[str]:
         arms.append("direct")
         if args.direct_cache:
             arms.append(f"direct-cache:{args.direct_cache}")
+        arms += [f"direct-block:{int(b)}" for b in args.direct_blocks.split(",") if b.strip()]
     return arms
 
 
@@ -269,11 +277,9 @@ def main(argv=None) -> int:
     if args.child:
         child_main(args.child)
         return 0
-    from ple_tools.figures import recording
+    from ple_tools.figures import run_recorded
 
-    with recording(args.json, "bench_gather", argv) as record:
-        status, record.results = run(args)
-    return status
+    return run_recorded(args.json, "bench_gather", argv, lambda: run(args))
 
 
 def run(args: argparse.Namespace) -> tuple[int, dict | None]:

@@ -28,6 +28,8 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from ple_tools.figures import add_json_option
+
 if TYPE_CHECKING:  # for annotations; imported after parsing
     import torch
 
@@ -234,18 +236,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--cold-calls", type=int, default=8,
                         help="timed calls per cold measurement, each after the table's pages "
                         "are dropped (default 8)")
-    parser.add_argument("--json", type=Path, metavar="PATH",
-                        help="also write the run as a JSON document (tools/figures.py)")
+    add_json_option(parser)
     return parser.parse_args(argv)
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    from ple_tools.figures import recording
+    from ple_tools.figures import run_recorded
 
-    with recording(args.json, "bench_gpu", argv) as record:
-        status, record.results = run(args)
-    return status
+    return run_recorded(args.json, "bench_gpu", argv, lambda: run(args))
 
 
 def run(args: argparse.Namespace) -> tuple[int, dict | None]:

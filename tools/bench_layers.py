@@ -23,6 +23,8 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from ple_tools.figures import add_json_option
+
 if TYPE_CHECKING:  # for annotations; imported after parsing
     import torch
     from ple.layers import NGramEmbedding
@@ -83,18 +85,15 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="ms of sleep after each forward, standing for the rest of the "
                         "model's step (default 50)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the tokens (default 0)")
-    parser.add_argument("--json", type=Path, metavar="PATH",
-                        help="also write the run as a JSON document (tools/figures.py)")
+    add_json_option(parser)
     return parser.parse_args(argv)
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    from ple_tools.figures import recording
+    from ple_tools.figures import run_recorded
 
-    with recording(args.json, "bench_layers", argv) as record:
-        status, record.results = run(args)
-    return status
+    return run_recorded(args.json, "bench_layers", argv, lambda: run(args))
 
 
 def run(args: argparse.Namespace) -> tuple[int, list[dict]]:

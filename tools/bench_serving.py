@@ -49,6 +49,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from ple_tools.figures import add_json_option
+
 MiB = 2**20
 ARMS = ("mmap", "mmap-cache", "direct-cache")
 # The row cache's own memory per row beside the row (ids, CLOCK bits and
@@ -84,8 +86,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--no-prime", dest="prime", action="store_false",
                         help="skip the pass that reads every page of every call once with "
                         "O_DIRECT before the arms (see above)")
-    parser.add_argument("--json", type=Path, metavar="PATH",
-                        help="also write the run as a JSON document (tools/figures.py)")
+    add_json_option(parser)
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.zipf <= 1:
@@ -293,11 +294,9 @@ def main(argv=None) -> int:
     if args.child:
         child_main(args.child)
         return 0
-    from ple_tools.figures import recording
+    from ple_tools.figures import run_recorded
 
-    with recording(args.json, "bench_serving", argv) as record:
-        status, record.results = run(args)
-    return status
+    return run_recorded(args.json, "bench_serving", argv, lambda: run(args))
 
 
 def run(args: argparse.Namespace) -> tuple[int, dict]:

@@ -32,6 +32,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from ple_tools.figures import add_json_option
+
 ROW_BYTES = 160
 SIZES = (16, 32768)  # a decode step, a prefill chunk (2,048 tokens of 16 heads)
 ARMS = ("disk", "tiers")
@@ -66,8 +68,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "(default 0.5,0.5: all of them; on the CPU the host tier alone)")
     parser.add_argument("--timeout", type=float, default=600,
                         help="seconds the ranks of one run may take, in all (default 600)")
-    parser.add_argument("--json", type=Path, metavar="PATH",
-                        help="also write the run as a JSON document (tools/figures.py)")
+    add_json_option(parser)
     # One rank's part, run by the launcher.
     parser.add_argument("--rank", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--init-method", help=argparse.SUPPRESS)
@@ -84,11 +85,9 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     if args.rank is not None:
         return run_rank(args)
-    from ple_tools.figures import recording
+    from ple_tools.figures import run_recorded
 
-    with recording(args.json, "bench_tensor_parallel", argv) as record:
-        status, record.results = launch(args)
-    return status
+    return run_recorded(args.json, "bench_tensor_parallel", argv, lambda: launch(args))
 
 
 def launch(args: argparse.Namespace) -> tuple[int, dict | None]:

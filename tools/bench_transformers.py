@@ -49,6 +49,8 @@ from itertools import chain
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from ple_tools.figures import add_json_option
+
 if TYPE_CHECKING:  # for annotations; torch is imported after parsing (--help imports none)
     import torch
 
@@ -379,18 +381,15 @@ def main(argv=None) -> int:
     parser.add_argument("--seed", type=int, default=0, help="of the prompts (default 0)")
     parser.add_argument("--timeout", type=float, default=1200, help="seconds per arm")
     parser.add_argument("--offload-dir", type=Path, help="where disk-offload writes (default --dir)")
-    parser.add_argument("--json", type=Path, metavar="PATH",
-                        help="also write the run as a JSON document (tools/figures.py)")
+    add_json_option(parser)
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
         print(json.dumps(run_arm(json.loads(args.child))))
         return 0
-    from ple_tools.figures import recording
+    from ple_tools.figures import run_recorded
 
-    with recording(args.json, "bench_transformers", argv) as record:
-        status, record.results = run(args, parser)
-    return status
+    return run_recorded(args.json, "bench_transformers", argv, lambda: run(args, parser))
 
 
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[int, dict]:

@@ -36,6 +36,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from ple_tools.figures import add_json_option
+
 FLOOR_SOURCE = Path(__file__).resolve().with_name("floor_gather.cpp")
 FLOOR = "floor"
 ROWS_PER_THREAD = 256  # the gather's kMinRowsPerThread (kernels/row_gather.cpp)
@@ -66,8 +68,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0, help="seed of the ids (default 0)")
     parser.add_argument("--cxx", default=os.environ.get("CXX", "c++"),
                         help="the C++ compiler for the floor (default $CXX, else c++)")
-    parser.add_argument("--json", type=Path, metavar="PATH",
-                        help="also write the run as a JSON document (tools/figures.py)")
+    add_json_option(parser)
     parser.add_argument("--child", help=argparse.SUPPRESS)
     return parser.parse_args(argv)
 
@@ -145,11 +146,9 @@ def main(argv=None) -> int:
     if args.child:
         child_main(json.loads(args.child))
         return 0
-    from ple_tools.figures import recording
+    from ple_tools.figures import run_recorded
 
-    with recording(args.json, "bench_warm", argv) as record:
-        status, record.results = run(args)
-    return status
+    return run_recorded(args.json, "bench_warm", argv, lambda: run(args))
 
 
 def run(args: argparse.Namespace) -> tuple[int, dict]:

@@ -19,6 +19,8 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from ple_tools.figures import add_json_option
+
 if TYPE_CHECKING:  # for annotations; imported after parsing
     import torch
 
@@ -125,18 +127,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--calls", type=int, default=8, help="calls per arm (default 8)")
     parser.add_argument("--rows", type=int, default=18000, help="ids per call (default 18000)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random ids (default 0)")
-    parser.add_argument("--json", type=Path, metavar="PATH",
-                        help="also write the run as a JSON document (tools/figures.py)")
+    add_json_option(parser)
     return parser.parse_args(argv)
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    from ple_tools.figures import recording
+    from ple_tools.figures import run_recorded
 
-    with recording(args.json, "demo", argv) as record:
-        status, record.results = run(args)
-    return status
+    return run_recorded(args.json, "demo", argv, lambda: run(args))
 
 
 def run(args: argparse.Namespace) -> tuple[int, list[dict]]:

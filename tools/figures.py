@@ -26,6 +26,7 @@ import platform
 import re
 import shlex
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -60,13 +61,6 @@ class _Tee(io.TextIOBase):
             stream.flush()
 
 
-class Recording:
-    """What a run records: set ``results`` to the run's figures as data."""
-
-    def __init__(self):
-        self.results = None
-
-
 def without_json(arguments: list[str]) -> list[str]:
     """A tool's arguments less ``--json PATH``: the command that makes the
     figures, wherever their document goes."""
@@ -81,25 +75,31 @@ def without_json(arguments: list[str]) -> list[str]:
     return kept
 
 
-@contextlib.contextmanager
-def recording(path: Path | None, tool: str, argv: list[str] | None):
-    """Runs the body with its standard output also kept, then writes the
-    document to ``path`` (nothing is kept or written when path is None).
-    ``tool``: the tool's file name in tools/ (``bench_gpu``); ``argv``: its
-    arguments (None: sys.argv's)."""
-    record = Recording()
+def add_json_option(parser: argparse.ArgumentParser) -> None:
+    """A tool's ``--json PATH`` option, which run_recorded writes to."""
+    parser.add_argument("--json", type=Path, metavar="PATH",
+                        help="also write the run as a JSON document (tools/figures.py)")
+
+
+def run_recorded(path: Path | None, tool: str, argv: list[str] | None,
+                 run: Callable[[], tuple[int, object]]) -> int:
+    """Calls ``run()``, which prints its report and returns (exit status,
+    results as data); with a ``path``, the printed report is kept as well
+    and the document written there.  ``tool``: the tool's file name in
+    tools/ (``bench_gpu``); ``argv``: its arguments (None: sys.argv's).
+    Returns the status."""
     if path is None:
-        yield record
-        return
+        return run()[0]
     kept = io.StringIO()
     with contextlib.redirect_stdout(_Tee(sys.stdout, kept)):
-        yield record
+        status, results = run()
     arguments = sys.argv[1:] if argv is None else argv
     document = {"command": shlex.join(["python", f"tools/{tool}.py", *without_json(arguments)]),
                 "machine": machine(), "date": datetime.date.today().isoformat(),
-                "report": kept.getvalue(), "results": record.results}
+                "report": kept.getvalue(), "results": results}
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(document, indent=1) + "\n")
+    return status
 
 
 def render(document: dict) -> str:

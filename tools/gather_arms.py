@@ -3,7 +3,8 @@ same calls (seeded random ids) and returns a record of per-call figures.
 
   gathering arms  ple's gather with one prefetch policy (GatherConfig.from_spec),
                   or with direct I/O: direct (no row cache) and
-                  direct-cache:MiB (a row cache of MiB)
+                  direct-cache:MiB (a row cache of MiB), direct-block:BYTES
+                  (reads of BYTES blocks)
   numpy           NumPy fancy indexing of np.memmaps of the shards (warm)
   ceiling:DEPTH   the unique pages under each call's rows read with O_DIRECT
                   at queue depth DEPTH (tools/odirect.py); produces no rows
@@ -53,14 +54,18 @@ def new_record(arm: str, state: str) -> dict:
 
 
 def arm_config(arm: str, threads: int | None, io_queue_depth: int | None = None) -> ple.GatherConfig:
-    """The GatherConfig of a gathering arm: ``policy[:KiB]``, ``direct`` or
-    ``direct-cache:MiB``."""
+    """The GatherConfig of a gathering arm: ``policy[:KiB]``, ``direct``,
+    ``direct-cache:MiB`` or ``direct-block:BYTES``."""
     fields = {"threads": threads} if threads else {}
     kind, value = arm_kind(arm)
-    if kind in ("direct", "direct-cache"):
+    if kind in ("direct", "direct-cache", "direct-block"):
         if io_queue_depth:
             fields["io_queue_depth"] = io_queue_depth
-        return ple.GatherConfig(io="direct", row_cache_mib=value or 0, **fields)
+        if kind == "direct-block":
+            fields["io_block_bytes"] = value
+        elif kind == "direct-cache":
+            fields["row_cache_mib"] = value
+        return ple.GatherConfig(io="direct", **fields)
     return ple.GatherConfig.from_spec(arm, **fields)
 
 
