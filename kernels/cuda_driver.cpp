@@ -27,29 +27,34 @@ const Driver& driver() {
   static const Driver loaded = [] {
     Driver d;
     void* lib = ::dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
-    if (lib == nullptr) return d;
+    if (lib == nullptr) {
+      const char* why = ::dlerror();
+      d.unusable = std::string("cannot load libcuda.so.1") +
+                   (why != nullptr ? std::string(": ") + why : std::string());
+      return d;
+    }
     driver_pid.store(::getpid());
-    find(lib, "cuLaunchHostFunc", d.launch_host_func);
-    find(lib, "cuMemHostRegister_v2", d.mem_host_register);
-    find(lib, "cuMemHostUnregister", d.mem_host_unregister);
-    find(lib, "cuMemHostGetDevicePointer_v2", d.mem_host_get_device_pointer);
-    find(lib, "cuThreadExchangeStreamCaptureMode", d.exchange_capture_mode);
-    find(lib, "cuInit", d.init);
-    find(lib, "cuCtxGetCurrent", d.ctx_get_current);
-    find(lib, "cuCtxSetCurrent", d.ctx_set_current);
-    find(lib, "cuDeviceGet", d.device_get);
-    find(lib, "cuDevicePrimaryCtxRetain", d.primary_ctx_retain);
+    auto required = [&](const char* name, auto*& entry) {
+      find(lib, name, entry);
+      if (entry == nullptr && d.unusable.empty()) {
+        d.unusable = std::string("libcuda.so.1 has no ") + name;
+      }
+    };
+    required("cuLaunchHostFunc", d.launch_host_func);
+    required("cuMemHostRegister_v2", d.mem_host_register);
+    required("cuMemHostUnregister", d.mem_host_unregister);
+    required("cuMemHostGetDevicePointer_v2", d.mem_host_get_device_pointer);
+    required("cuThreadExchangeStreamCaptureMode", d.exchange_capture_mode);
+    required("cuInit", d.init);
+    required("cuCtxGetCurrent", d.ctx_get_current);
+    required("cuCtxSetCurrent", d.ctx_set_current);
+    required("cuDeviceGet", d.device_get);
+    required("cuDevicePrimaryCtxRetain", d.primary_ctx_retain);
     find(lib, "cuStreamWaitValue32_v2", d.stream_wait_value32);
     find(lib, "cuStreamWriteValue32_v2", d.stream_write_value32);
     return d;
   }();
-  if (loaded.launch_host_func == nullptr || loaded.mem_host_register == nullptr ||
-      loaded.mem_host_unregister == nullptr || loaded.mem_host_get_device_pointer == nullptr ||
-      loaded.exchange_capture_mode == nullptr || loaded.init == nullptr ||
-      loaded.ctx_get_current == nullptr || loaded.ctx_set_current == nullptr ||
-      loaded.device_get == nullptr || loaded.primary_ctx_retain == nullptr) {
-    throw OsError("cannot load the CUDA driver (libcuda.so.1) or find its entry points");
-  }
+  if (!loaded.unusable.empty()) throw OsError("cannot use the CUDA driver: " + loaded.unusable);
   return loaded;
 }
 

@@ -5,6 +5,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <string>
 
 namespace ple {
 
@@ -29,6 +30,10 @@ struct Driver {
   // driver): a stream waits for a word to hold a value, or writes one.
   CUresult (*stream_wait_value32)(CUstream, CUdeviceptr, uint32_t, unsigned) = nullptr;
   CUresult (*stream_write_value32)(CUstream, CUdeviceptr, uint32_t, unsigned) = nullptr;
+
+  // Why the driver cannot be used (the library or a required entry point
+  // is missing); empty when it can.
+  std::string unusable;
 
   bool has_stream_memory_ops() const {
     return stream_wait_value32 != nullptr && stream_write_value32 != nullptr;

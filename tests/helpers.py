@@ -85,6 +85,36 @@ def run_threads(worker: Callable[[int], None], n: int) -> None:
         thread.join()
 
 
+def close_while_threads_gather(table: ple.Table, reference: np.ndarray, threads: int = 4) -> None:
+    """Closes ``table`` while ``threads`` threads gather random rows from it
+    (up to 50 gathers each): each thread must either finish with the right
+    bytes or be told that the table is closed, naming its handle."""
+    handle = table.handle
+    outcomes, start = [], threading.Event()
+
+    def gather_until_closed(k: int) -> None:
+        start.wait()
+        ids = torch.from_numpy(np.random.default_rng(k).integers(0, len(reference), 20000))
+        for _ in range(50):
+            try:
+                rows = torch.ops.ple.disk_gather_bytes(ids, handle)
+            except ValueError as error:  # closed: the handle is gone
+                outcomes.append(str(error))
+                return
+            assert np.array_equal(rows.numpy(), reference[ids.numpy()])
+        outcomes.append("finished")
+
+    workers = [threading.Thread(target=gather_until_closed, args=(k,)) for k in range(threads)]
+    for worker in workers:
+        worker.start()
+    start.set()
+    table.close()
+    for worker in workers:
+        worker.join()
+    assert len(outcomes) == threads
+    assert all(o == "finished" or f"handle {handle}" in o for o in outcomes), outcomes
+
+
 def tensor_offsets(path: Path) -> dict[str, int]:
     """File offset of each tensor's first byte, from the header: an 8-byte
     little-endian length, the JSON, then the data."""

@@ -20,7 +20,8 @@ import torch
 from safetensors.torch import save_file
 
 import ple
-from helpers import PAGE, ByteTable, resident_pages, run_threads, write_byte_table
+from helpers import (PAGE, ByteTable, close_while_threads_gather, resident_pages, run_threads,
+                     write_byte_table)
 from ple import GatherConfig
 from test_process_safety import expect_ok, run_script, skip_if_early, write_rows
 
@@ -398,31 +399,7 @@ def test_concurrent_gathers_while_switching_io(spread, backend):
 def test_closing_while_other_threads_gather(tmp_path, backend):
     path = tmp_path / "t.safetensors"
     reference = write_table(path)
-    table = ple.Table.from_safetensors(path, config=direct(2))
-    handle = table.handle
-    outcomes, start = [], threading.Event()
-
-    def gather_until_closed(k: int) -> None:
-        start.wait()
-        ids = torch.from_numpy(np.random.default_rng(k).integers(0, ROWS, 20000))
-        for _ in range(50):
-            try:
-                rows = torch.ops.ple.disk_gather_bytes(ids, handle)
-            except ValueError as error:  # closed: the handle is gone
-                outcomes.append(str(error))
-                return
-            assert np.array_equal(rows.numpy(), reference[ids.numpy()])
-        outcomes.append("finished")
-
-    threads = [threading.Thread(target=gather_until_closed, args=(k,)) for k in range(4)]
-    for thread in threads:
-        thread.start()
-    start.set()
-    table.close()
-    for thread in threads:
-        thread.join()
-    assert len(outcomes) == 4
-    assert all(o == "finished" or "is closed" in o for o in outcomes), outcomes
+    close_while_threads_gather(ple.Table.from_safetensors(path, config=direct(2)), reference)
 
 
 # Fork and Ctrl-C ---------------------------------------------------------------------
@@ -463,18 +440,7 @@ for k in range(6):
         except BaseException:
             traceback.print_exc()
             os._exit(1)
-    deadline = time.monotonic() + 20
-    while True:
-        done, status = os.waitpid(pid, os.WNOHANG)
-        if done:
-            outcomes.append(os.waitstatus_to_exitcode(status))
-            break
-        if time.monotonic() > deadline:
-            os.kill(pid, signal.SIGKILL)
-            os.waitpid(pid, 0)
-            outcomes.append("hung")
-            break
-        time.sleep(0.01)
+    outcomes.append(wait_child(pid, 20))
 stop.set()
 background.join()
 check(ids, t.gather_bytes(ids))
@@ -494,23 +460,7 @@ def test_ctrl_c_interrupts_a_long_direct_gather(tmp_path, backend):
 t = ple.Table.from_safetensors(PATH, config=ple.GatherConfig(io="direct", threads=2,
                                                              io_queue_depth=1))
 ids = torch.from_numpy(np.random.default_rng(1).integers(0, t.num_rows, 500_000))
-sent = []
-
-def send():
-    time.sleep(0.5)
-    sent.append(time.monotonic())
-    os.kill(os.getpid(), signal.SIGINT)
-
-threading.Thread(target=send).start()
-start = time.monotonic()
-try:
-    t.gather_bytes(ids)
-    print(f"EARLY: the gather returned after {time.monotonic() - start:.2f} s")
-    sys.exit(0)
-except KeyboardInterrupt:
-    while not sent:
-        time.sleep(0.01)
-    print(f"KeyboardInterrupt {time.monotonic() - sent[0]:.3f} s after the signal")
+interrupted(lambda: t.gather_bytes(ids), "the gather")
 t.config = ple.GatherConfig(io="direct", threads=2)
 few = ids[:20_000]
 check(few, t.gather_bytes(few))

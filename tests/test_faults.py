@@ -5,7 +5,6 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 
 import numpy as np
 import pytest
@@ -13,6 +12,7 @@ import torch
 from safetensors.torch import save_file
 
 import ple
+from helpers import close_while_threads_gather
 
 ROWS, ROW_BYTES = 50_000, 160
 
@@ -57,31 +57,7 @@ def test_a_file_replaced_or_deleted_while_open_serves_its_old_bytes(tmp_path):
 def test_closing_while_other_threads_gather(tmp_path):
     path = tmp_path / "t.safetensors"
     reference = write_table(path)
-    table = ple.Table.from_safetensors(path)
-    handle = table.handle
-    outcomes, start = [], threading.Event()
-
-    def gather():
-        start.wait()
-        ids = torch.from_numpy(np.random.default_rng(3).integers(0, ROWS, 20000))
-        for _ in range(50):
-            try:
-                rows = torch.ops.ple.disk_gather_bytes(ids, handle)
-            except ValueError as error:  # closed: the handle is gone
-                outcomes.append(str(error))
-                return
-            assert np.array_equal(rows.numpy(), reference[ids.numpy()])
-        outcomes.append("finished")
-
-    threads = [threading.Thread(target=gather) for _ in range(4)]
-    for thread in threads:
-        thread.start()
-    start.set()
-    table.close()
-    for thread in threads:
-        thread.join()
-    assert len(outcomes) == 4
-    assert all(o == "finished" or f"handle {handle}" in o for o in outcomes)
+    close_while_threads_gather(ple.Table.from_safetensors(path), reference)
 
 
 @pytest.mark.parametrize("faulthandler", [False, True])

@@ -53,6 +53,41 @@ def check(ids, rows):
     rows = rows.reshape(-1, rows.shape[-1]).numpy()
     assert np.array_equal(rows[:, :8].copy().view("<i8").reshape(-1), ids)
     assert not rows[:, 8:].any()
+
+# A forked child's exit code, or "hung" (and killed) if it has not ended in `seconds`.
+def wait_child(pid, seconds):
+    deadline = time.monotonic() + seconds
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return os.waitstatus_to_exitcode(status)
+        if time.monotonic() > deadline:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            return "hung"
+        time.sleep(0.01)
+
+# Runs call() with a SIGINT sent 0.5 s in, and prints how soon after the signal
+# the KeyboardInterrupt came; if call() returns first, prints EARLY and exits.
+def interrupted(call, what):
+    sent = []
+
+    def send():
+        time.sleep(0.5)
+        sent.append(time.monotonic())
+        os.kill(os.getpid(), signal.SIGINT)
+
+    threading.Thread(target=send).start()
+    start = time.monotonic()
+    try:
+        call()
+    except KeyboardInterrupt:
+        while not sent:
+            time.sleep(0.01)
+        print(f"{what}: KeyboardInterrupt {time.monotonic() - sent[0]:.3f} s after the signal")
+        return
+    print(f"EARLY: {what} returned after {time.monotonic() - start:.2f} s")
+    sys.exit(0)
 """
 
 
@@ -219,18 +254,7 @@ def test_fork_while_another_thread_gathers(small_table):
                 except BaseException:
                     traceback.print_exc()
                     os._exit(1)
-            deadline = time.monotonic() + 10
-            while True:
-                done, status = os.waitpid(pid, os.WNOHANG)
-                if done:
-                    outcomes.append(os.waitstatus_to_exitcode(status))
-                    break
-                if time.monotonic() > deadline:
-                    os.kill(pid, signal.SIGKILL)
-                    os.waitpid(pid, 0)
-                    outcomes.append("hung")
-                    break
-                time.sleep(0.01)
+            outcomes.append(wait_child(pid, 10))
         stop.set()
         background.join()
         t.close()
@@ -245,35 +269,17 @@ def test_fork_while_another_thread_gathers(small_table):
 LONG_GATHER = """
     t = ple.Table.from_safetensors(PATH, config=ple.GatherConfig("none", 0, 2))
     ids = torch.from_numpy(np.random.default_rng(1).integers(0, t.num_rows, 500_000))
-
-    def interrupted(call, what):
-        t.drop_page_cache()
-        sent = []
-
-        def send():
-            time.sleep(0.5)
-            sent.append(time.monotonic())
-            os.kill(os.getpid(), signal.SIGINT)
-
-        threading.Thread(target=send).start()
-        start = time.monotonic()
-        try:
-            call()
-        except KeyboardInterrupt:
-            while not sent:
-                time.sleep(0.01)
-            print(f"{what}: KeyboardInterrupt {time.monotonic() - sent[0]:.3f} s after the signal")
-            return
-        print(f"EARLY: {what} returned after {time.monotonic() - start:.2f} s")
-        sys.exit(0)
 """
 
 
 def test_ctrl_c_interrupts_a_long_gather(cold_table):
     result = run_script(LONG_GATHER + """
+    t.drop_page_cache()
     interrupted(lambda: t.gather_bytes(ids), "gather_bytes")
+    t.drop_page_cache()
     interrupted(lambda: torch.ops.ple.disk_gather(ids, t.handle), "disk_gather")
     t.prefetch(ids)
+    t.drop_page_cache()
     interrupted(lambda: t.gather_bytes(ids), "a gather waiting for its prefetch")
     few = torch.arange(0, t.num_rows, 4099)
     check(few, t.gather_bytes(few))   # the table still works
@@ -532,9 +538,11 @@ def test_the_native_side_caps_threads(small_table):
 
     assert native.MAX_THREADS == 256
     with ple.Table.from_safetensors(small_table) as table:
-        native.configure(table.handle, "window", 4 << 20, 256, 0, 64, "mmap")
+        args = list(ple.GatherConfig(threads=256)._native_args())
+        native.configure(table.handle, *args)
+        args[list(ple.config.FIELDS).index("threads")] = 257
         with pytest.raises(ValueError, match="threads must be at most 256"):
-            native.configure(table.handle, "window", 4 << 20, 257, 0, 64, "mmap")
+            native.configure(table.handle, *args)
         config = getattr(ple.config, "MAX_THREADS", None)
         if config is not None:
             assert config == native.MAX_THREADS
