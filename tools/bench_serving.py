@@ -21,6 +21,10 @@ that B is what caching may take:
   direct-cache    GatherConfig(io="direct") with a row cache sized to B: no
                   page cache at all
 
+The arms run one after another, not by turns: the page cache is the
+machine's, and an mmap arm running beside another would be served pages
+that the other read.  Run the tool again to see how much its ratios move.
+
 Before the arms, every page that any call asks for is read once with
 O_DIRECT (untimed; --no-prime skips it): a virtual disk's host may cache
 what the guest reads, and without this pass the later arms would find in
