@@ -68,10 +68,12 @@ struct DirectCounters {
 // Reads `rows` (sorted here by address) into out + position * row_bytes,
 // in reads of whole `block`s (a power of two, from files.alignment() to
 // kMaxReadBytes), with the engines of `backend`, at most `depth` reads in
-// flight in all, spread over up to `threads` threads.  `id_at` gives the id of a position,
-// for errors.  `stop` can end it early (Interrupted; `out` partly written).
+// flight in all, spread over up to `threads` threads.  `id_at` gives the id
+// of a position, for errors.  `stop` can end it early (Interrupted; `out`
+// partly written).
 DirectCounters read_direct(const DirectFiles& files, uint64_t block, IoBackend backend, int depth,
-                           int threads, int64_t row_bytes, std::vector<DirectRow>& rows, uint8_t* out,
-                           const std::function<int64_t(int64_t)>& id_at, Interruption& stop);
+                           int threads, int64_t row_bytes, std::vector<DirectRow>& rows,
+                           uint8_t* out, const std::function<int64_t(int64_t)>& id_at,
+                           Interruption& stop);
 
 }  // namespace ple
