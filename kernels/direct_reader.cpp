@@ -82,22 +82,6 @@ uint64_t direct_alignment(int fd, const std::string& path) {
 #endif
 }
 
-// A row placed in its file.
-struct PlacedRow {
-  uint32_t file;
-  uint64_t offset;
-  int64_t position;
-};
-
-// One read: whole blocks of one file, the blocks under first_row and
-// possibly under the rows after it.
-struct Read {
-  uint32_t file;
-  uint64_t offset;
-  uint32_t length;
-  size_t first_row;  // the first row (in file order) that it holds bytes of
-};
-
 // What every thread of one direct read shares.
 struct Plan {
   const DirectFiles& files;
@@ -106,8 +90,8 @@ struct Plan {
   int64_t row_bytes;
   uint8_t* out;
   const std::function<int64_t(int64_t)>& id_at;
-  std::vector<PlacedRow> rows;  // in file order
-  std::vector<Read> reads;      // in file order
+  std::vector<PlacedRow>& rows;   // in file order
+  std::vector<DirectRead>& reads;  // in file order
   uint64_t unique_pages = 0;
 
   // Sorts `rows`, places them in their files and lists the reads that
@@ -119,6 +103,7 @@ struct Plan {
     });
     const auto& table_files = files.files();
     rows.resize(by_address.size());
+    reads.clear();
     uint32_t f = 0;
     uint64_t last_page = 0;
     bool counted = false;  // whether last_page is a page of file f
@@ -143,7 +128,7 @@ struct Plan {
         from = std::max(from, reads.back().offset + reads.back().length);
       }
       while (from < to) {
-        Read* previous = reads.empty() ? nullptr : &reads.back();
+        DirectRead* previous = reads.empty() ? nullptr : &reads.back();
         if (previous != nullptr && previous->file == f &&
             previous->offset + previous->length == from && previous->length < kMaxReadBytes) {
           const uint64_t more = std::min<uint64_t>(to - from, kMaxReadBytes - previous->length);
@@ -208,7 +193,7 @@ class PartRead {
 
  private:
   IoRead io_read(int slot) const {
-    const Read& read = plan_.reads[slot_read_[slot]];
+    const DirectRead& read = plan_.reads[slot_read_[slot]];
     const uint32_t done = slot_done_[slot];
     return {plan_.files.files()[read.file].fd, read.offset + done, read.length - done,
             engine_->buffer(slot) + done, static_cast<uint32_t>(slot)};
@@ -217,7 +202,7 @@ class PartRead {
   // A read of `slot` returned `result`: true when its read is done (its rows
   // copied), false when the rest of it was queued again.
   bool complete(uint32_t slot, int64_t result) {
-    const Read& read = plan_.reads[slot_read_[slot]];
+    const DirectRead& read = plan_.reads[slot_read_[slot]];
     const DirectFiles::File& file = plan_.files.files()[read.file];
     if (result == -EINTR || result == -EAGAIN) {
       again_.push_back(io_read(slot));
@@ -246,7 +231,7 @@ class PartRead {
 
   // Copies the bytes of `read` (`got` of them came) that rows need; a row
   // whose bytes lie past `got` is in a file that is shorter now.
-  void copy_rows(const Read& read, const uint8_t* buffer, uint64_t got) {
+  void copy_rows(const DirectRead& read, const uint8_t* buffer, uint64_t got) {
     const int64_t row_bytes = plan_.row_bytes;
     const uint64_t end = read.offset + read.length, valid_end = read.offset + got;
     for (size_t j = read.first_row; j < plan_.rows.size(); ++j) {
@@ -262,7 +247,7 @@ class PartRead {
 
   // Why `read` returned only `got` bytes: the file is shorter now, or (a
   // disk or filesystem that ends reads early) what the read returned.
-  std::string why_short(const Read& read, uint64_t got) const {
+  std::string why_short(const DirectRead& read, uint64_t got) const {
     const DirectFiles::File& file = plan_.files.files()[read.file];
     struct stat now;
     if (::fstat(file.fd, &now) == 0 && static_cast<uint64_t>(now.st_size) < file.size) {
@@ -328,11 +313,11 @@ DirectFiles::~DirectFiles() {
 }
 
 DirectCounters read_direct(const DirectFiles& files, uint64_t block, IoBackend backend, int depth,
-                           int threads, int64_t row_bytes, std::vector<DirectRow>& rows,
+                           int threads, int64_t row_bytes, DirectScratch& scratch,
                            uint8_t* out, const std::function<int64_t(int64_t)>& id_at,
                            Interruption& stop) {
-  Plan plan{files, block, backend, row_bytes, out, id_at, {}, {}};
-  plan.make(rows);
+  Plan plan{files, block, backend, row_bytes, out, id_at, scratch.placed, scratch.reads};
+  plan.make(scratch.rows);
   stop.check();
   const size_t reads = plan.reads.size();
   const int parts = static_cast<int>(std::max<size_t>(

@@ -59,20 +59,45 @@ struct DirectRow {
   int64_t position;
 };
 
+// A row placed in its file.
+struct PlacedRow {
+  uint32_t file;
+  uint64_t offset;
+  int64_t position;
+};
+
+// One read: whole blocks of one file, the blocks under first_row and
+// possibly under the rows after it.
+struct DirectRead {
+  uint32_t file;
+  uint64_t offset;
+  uint32_t length;
+  size_t first_row;  // the first row (in file order) that it holds bytes of
+};
+
+// What read_direct keeps from call to call, one for each gather that runs at
+// once (in its GatherScratch): a call allocates none of its per-row memory
+// once the table has served calls of its size.
+struct DirectScratch {
+  std::vector<DirectRow> rows;     // the caller's: the rows to read
+  std::vector<PlacedRow> placed;   // those rows in file order
+  std::vector<DirectRead> reads;   // in file order
+};
+
 struct DirectCounters {
   uint64_t reads = 0;         // reads that completed (a run of adjacent blocks each)
   uint64_t read_bytes = 0;    // what they returned
   uint64_t unique_pages = 0;  // distinct 4 KiB file pages under the rows
 };
 
-// Reads `rows` (sorted here by address) into out + position * row_bytes,
+// Reads scratch.rows (sorted here by address) into out + position * row_bytes,
 // in reads of whole `block`s (a power of two, from files.alignment() to
 // kMaxReadBytes), with the engines of `backend`, at most `depth` reads in
 // flight in all, spread over up to `threads` threads.  `id_at` gives the id
 // of a position, for errors.  `stop` can end it early (Interrupted; `out`
 // partly written).
 DirectCounters read_direct(const DirectFiles& files, uint64_t block, IoBackend backend, int depth,
-                           int threads, int64_t row_bytes, std::vector<DirectRow>& rows,
+                           int threads, int64_t row_bytes, DirectScratch& scratch,
                            uint8_t* out, const std::function<int64_t(int64_t)>& id_at,
                            Interruption& stop);
 

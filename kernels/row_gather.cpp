@@ -147,6 +147,7 @@ struct GatherScratch {
   std::vector<int64_t> chunk_starts;
   std::vector<ChunkScratch> chunks;
   std::vector<CopyCounters> chunk_counters;
+  DirectScratch direct;  // with io "direct"
   PageMarks marks;
   // The last gather through this scratch copied every row in request order
   // without a major fault (see kUnsampledRows).
@@ -913,17 +914,17 @@ void add_counters(GatherCounters& counters, const CopyCounters& r) {
 // Reads the rows left in `scratch` from the files with O_DIRECT instead
 // (GatherConfig.io "direct").
 DirectCounters read_from_files(MappedTable& table, const GatherConfig& config,
-                               const GatherScratch& scratch, const void* ids, bool ids_are_int64,
+                               GatherScratch& scratch, const void* ids, bool ids_are_int64,
                                uint8_t* out, Interruption& stop) {
-  std::vector<DirectRow> direct;
-  direct.reserve(disk_rows(scratch));
+  std::vector<DirectRow>& direct = scratch.direct.rows;
+  direct.clear();
   const RowRef* rows = scratch.rows.data();
   for (const Part& part : scratch.parts) {
     for (int64_t k = part.begin; k < part.end; ++k) direct.push_back({rows[k].address, rows[k].position});
   }
   const DirectFiles& files = table.direct_files();
   return read_direct(files, files.block(config.io_block_bytes), table.io_backend(),
-                     config.io_queue_depth, config.threads, table.row_bytes(), direct, out,
+                     config.io_queue_depth, config.threads, table.row_bytes(), scratch.direct, out,
                      [&](int64_t position) { return id_at(ids, ids_are_int64, position); }, stop);
 }
 
