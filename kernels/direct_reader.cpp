@@ -9,9 +9,12 @@
 #include <cstring>
 #include <numeric>
 
+#include "gather_config.h"
 #include "worker_pool.h"
 
 namespace ple {
+
+static_assert(kMaxIoBlockBytes == kMaxReadBytes, "a block is at most one read");
 
 namespace {
 

@@ -2,8 +2,10 @@
 // host memory it fills.
 //
 // cuLaunchHostFunc puts a C function into a stream: it runs after the work
-// enqueued before it and before the work enqueued after it, and inside a
-// captured CUDA graph it becomes a host node that runs on every replay.
+// enqueued before it and before the work enqueued after it.  Eager calls use
+// it; a captured gather rings a doorbell instead (doorbell_gather.h), and a
+// host node only where the driver lacks stream memory operations or
+// PLE_GRAPH_GATHER=host_func asks for it.
 //
 // A host gather must never throw into the driver: failures are written to
 // the job's status word (which the decode kernel reads) and kept, by table

@@ -288,8 +288,7 @@ class RequestOrderCopy {
   // as resident.
   int64_t run() {
     const ThreadFaults before = ThreadFaults::now();
-    uint64_t faults_seen = before.major;
-    uint64_t unconfirmed = 0;  // pages marked since faults_seen was read
+    uint64_t unconfirmed = 0;  // pages marked since the last reading without a major fault
     int64_t k = 0;
     if (!sample_ || looks_warm()) {
       auto batch_start = std::chrono::steady_clock::now();
@@ -301,7 +300,7 @@ class RequestOrderCopy {
         k = end;
         const auto now = std::chrono::steady_clock::now();
         if (now - batch_start > kSlowBatch || k % kWarmBatchRows == 0) {
-          if (ThreadFaults::now().major != faults_seen) break;
+          if (ThreadFaults::now().major != before.major) break;
           count_resident(unconfirmed);
           unconfirmed = 0;
         }
@@ -309,7 +308,7 @@ class RequestOrderCopy {
       }
     }
     const ThreadFaults after = ThreadFaults::now();
-    if (after.major == faults_seen) count_resident(unconfirmed);
+    if (after.major == before.major) count_resident(unconfirmed);
     counters_.major_faults = after.major - before.major;
     counters_.minor_faults = after.minor - before.minor;
     return k;
@@ -460,6 +459,11 @@ class AdviceRun {
   uintptr_t length_ = 0;
 };
 
+// Whether `config` advises pages ahead of the copy at all.
+bool advises(const GatherConfig& config) {
+  return config.policy != Policy::kNone && config.window_bytes > 0;
+}
+
 // Gathers rows[0, n), which are sorted by address and share no page with rows
 // outside the chunk, on the calling thread.  Pages that `marks` shows were
 // copied earlier in the gather are neither counted nor advised.
@@ -477,8 +481,7 @@ class ChunkGather {
 
   CopyCounters run() {
     const ThreadFaults before = ThreadFaults::now();
-    const bool advise = config_.policy != Policy::kNone && config_.window_bytes > 0;
-    if (!advise) {
+    if (!advises(config_)) {
       for (int64_t k = 0; k < n_; ++k) copy_row(k);
     } else if (config_.policy == Policy::kAll) {
       advise_all();
@@ -827,7 +830,7 @@ void chunk_starts(const RowRef* rows, int64_t n, int64_t row_bytes, int chunks,
 // gather before was (GatherScratch::last_gather_warm).
 void copy_in_request_order(MappedTable& table, const GatherConfig& config, GatherScratch& scratch,
                            bool was_warm, uint8_t* out, Interruption& stop) {
-  const bool advises = config.policy != Policy::kNone && config.window_bytes > 0;
+  const bool advising = advises(config);
   run_parallel(
       static_cast<int>(scratch.parts.size()),
       [&](int p) {
@@ -835,7 +838,7 @@ void copy_in_request_order(MappedTable& table, const GatherConfig& config, Gathe
         if (part.end == part.begin) return;
         const bool sample = !(was_warm && part.end - part.begin <= kUnsampledRows);
         RequestOrderCopy copy(scratch.rows.data() + part.begin, part.end - part.begin,
-                              table.row_bytes(), out, scratch.marks, sample, advises, stop);
+                              table.row_bytes(), out, scratch.marks, sample, advising, stop);
         part.copied = copy.run();
         part.counters = copy.counters();
       },

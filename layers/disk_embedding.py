@@ -11,7 +11,7 @@ from ple.formats import OUTPUT_DTYPES
 from ple.safetensors_tables import PathsLike
 from ple.table import Table
 
-from .parallel import PlacesServedRows, RowSplit, gather, prefetch, served_rows
+from .parallel import PlacesServedRows, RowSplit, gather, prefetch
 
 # disk_gather's dtypes, and float64, which the rows are widened to from float32.
 DTYPES = (*OUTPUT_DTYPES, torch.float64)
@@ -128,12 +128,6 @@ class DiskEmbedding(PlacesServedRows, torch.nn.Module):
         """Starts reading the rows of a later ``forward`` of ids equal to these
         (on the CPU), so that its gather takes them instead of reading them itself."""
         prefetch(self.table, ids, self.split)
-
-    @property
-    def served_rows(self) -> tuple[int, int]:
-        """``(start, stop)``: the table rows this module gathers in this
-        process, all of them (this rank's, with a split)."""
-        return served_rows(self.split, 0, self.num_embeddings)
 
     def close(self) -> None:
         """Closes the table (unmaps its files); the module cannot run after."""

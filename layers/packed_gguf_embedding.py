@@ -10,7 +10,7 @@ from ple.config import GatherConfig
 from ple.formats import OUTPUT_DTYPES
 from ple.table import Table
 
-from .parallel import PlacesServedRows, RowSplit, gather, prefetch, served_rows
+from .parallel import PlacesServedRows, RowSplit, gather, prefetch
 
 
 class PackedGGUFEmbedding(PlacesServedRows, torch.nn.Module):
@@ -49,12 +49,6 @@ class PackedGGUFEmbedding(PlacesServedRows, torch.nn.Module):
         """Starts reading the rows of a later ``forward`` of ids equal to these
         (on the CPU), so that its gather takes them instead of reading them itself."""
         prefetch(self.table, token_ids, self.split)
-
-    @property
-    def served_rows(self) -> tuple[int, int]:
-        """``(start, stop)``: the table rows this layer gathers in this
-        process, all of them (this rank's, with a split)."""
-        return served_rows(self.split, 0, self.num_embeddings)
 
     def extra_repr(self) -> str:
         split = "" if self.split is None else f", {self.split}"

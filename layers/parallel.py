@@ -12,9 +12,10 @@ exactly as one process would.  Ids outside ``[0, N)`` give rows of zeros here,
 where an unsplit gather raises.
 
 The layers call :func:`gather` and :func:`prefetch` with their ``RowSplit``, or
-None when the table is not split, and :func:`place` to put the rows a rank
-serves in its tiers: a tier of another rank's rows would never be read, as
-every id outside the rank's range is clamped into it.
+None when the table is not split, and take ``place()`` from
+:class:`PlacesServedRows`, which puts the rows a rank serves in its tiers: a
+tier of another rank's rows would never be read, as every id outside the
+rank's range is clamped into it.
 """
 
 from __future__ import annotations
@@ -97,21 +98,6 @@ def served_rows(split: RowSplit | None, start: int, stop: int) -> tuple[int, int
     return begin, max(begin, min(stop, split.stop))
 
 
-def place(table: Table, rows: tuple[int, int], device_rows: int, host_rows: int, device,
-          progress) -> None:
-    """``table.place`` of tiers from the first of ``rows`` (``served_rows``):
-    ``device_rows`` in the device tier, the next ``host_rows`` in the host
-    tier, at most the rows of ``rows`` together."""
-    start, stop = rows
-    counts = (device_rows, host_rows)
-    # Arguments that are not counts are table.place's to reject, with its message.
-    if all(isinstance(n, int) for n in counts) and sum(counts) > stop - start:
-        raise ValueError(f"ple: device_rows + host_rows = {sum(counts)} is more than the "
-                         f"{stop - start} rows [{start}, {stop}) of table {table.name!r} that "
-                         "this layer gathers here")
-    table.place(device_rows, host_rows, device, progress, first_row=start)
-
-
 def prefetch(table: Table, ids: torch.Tensor, split: RowSplit | None) -> None:
     """Starts gathering the host ids ``ids`` exactly as :func:`gather` will ask
     for them (the prefetch serves only an equal request)."""
@@ -119,11 +105,25 @@ def prefetch(table: Table, ids: torch.Tensor, split: RowSplit | None) -> None:
 
 
 class PlacesServedRows:
-    """``place()`` for a layer over a table: the layer has ``table`` and
-    ``served_rows`` (the rows it gathers in this process)."""
+    """``served_rows`` and ``place()`` for a layer over a table: the layer has
+    ``table`` and ``split``; one that reads only some of the table's rows
+    overrides ``served_rows``."""
+
+    @property
+    def served_rows(self) -> tuple[int, int]:
+        """``(start, stop)``: the table rows this layer gathers in this
+        process, all of them (this rank's, with a split)."""
+        return served_rows(self.split, 0, self.table.num_rows)
 
     def place(self, device_rows: int = 0, host_rows: int = 0, device=None, progress=None) -> None:
         """Keeps the first ``device_rows`` rows of :attr:`served_rows` in the
         memory of ``device`` (a GPU) and the next ``host_rows`` in host memory,
         as ``Table.place`` does; ``place()`` drops the tiers."""
-        place(self.table, self.served_rows, device_rows, host_rows, device, progress)
+        start, stop = self.served_rows
+        counts = (device_rows, host_rows)
+        # Arguments that are not counts are table.place's to reject, with its message.
+        if all(isinstance(n, int) for n in counts) and sum(counts) > stop - start:
+            raise ValueError(f"ple: device_rows + host_rows = {sum(counts)} is more than the "
+                             f"{stop - start} rows [{start}, {stop}) of table {self.table.name!r} "
+                             "that this layer gathers here")
+        self.table.place(device_rows, host_rows, device, progress, first_row=start)

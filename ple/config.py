@@ -16,7 +16,7 @@ from .kernels.native import native
 
 # Each field of GatherConfig by name, in its order: "default", and "choices"
 # and "what" they choose (policy, io) or "unit", "unit_bytes" (bytes per
-# unit; 0 for a count), "least" and "most" (the int fields).
+# unit; 0 for a count), "least", "most" and "power_of_two" (the int fields).
 FIELDS: dict[str, dict] = {entry["name"]: dict(entry) for entry in native.CONFIG_FIELDS}
 
 # The policies, the default first.

@@ -81,14 +81,21 @@ class _Walk:
         except UnicodeDecodeError:
             raise self.bad(f"{what} {raw[:64]!r} is not UTF-8", at) from None
 
+    def array_head(self) -> tuple[int, int]:
+        """An array's item type and count, checked to fit in what is left
+        (each item at least its scalar size, 8 bytes a string, else 12)."""
+        item, count = self.number(4), self.number(8)
+        least = SCALAR_BYTES.get(item, 8 if item == STRING else 12)
+        if count * least > self.left():
+            raise self.bad(f"an array of {count} items does not fit")
+        return item, count
+
     def integers(self, kind: int, key: str, at: int) -> int | list[int]:
         """A value of an integer type ``kind``, or an array of one."""
         if kind == ARRAY:
-            item, count = self.number(4), self.number(8)
+            item, count = self.array_head()
             if item not in UNSIGNED_INTEGERS + SIGNED_INTEGERS:
                 raise self.bad(f"{key} is an array of value type {item}, not of integers", at)
-            if count * SCALAR_BYTES[item] > self.left():
-                raise self.bad(f"an array of {count} items does not fit")
             return [self.integers(item, key, at) for _ in range(count)]
         if kind not in UNSIGNED_INTEGERS + SIGNED_INTEGERS:
             raise self.bad(f"{key} is of value type {kind}, not an integer", at)
@@ -102,10 +109,7 @@ class _Walk:
         if kind == STRING:
             self.take(self.number(8))
         elif kind == ARRAY:
-            item, count = self.number(4), self.number(8)
-            least = SCALAR_BYTES.get(item, 8 if item == STRING else 12)
-            if count * least > self.left():
-                raise self.bad(f"an array of {count} items does not fit")
+            item, count = self.array_head()
             if item in SCALAR_BYTES:  # fixed-size items: skipped at once
                 self.take(count * SCALAR_BYTES[item])
             else:

@@ -69,7 +69,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ple_tools.figures import add_json_option
+from ple_tools.figures import add_json_option, run_recorded
 
 if TYPE_CHECKING:  # for annotations; imported after parsing
     from ple_tools.table_layout import Layout
@@ -277,8 +277,6 @@ def main(argv=None) -> int:
     if args.child:
         child_main(args.child)
         return 0
-    from ple_tools.figures import run_recorded
-
     return run_recorded(args.json, "bench_gather", argv, lambda: run(args))
 
 

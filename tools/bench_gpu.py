@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ple_tools.figures import add_json_option
+from ple_tools.figures import add_json_option, run_recorded
 
 if TYPE_CHECKING:  # for annotations; imported after parsing
     import torch
@@ -66,14 +66,8 @@ def by_turns(arms: dict, calls: int, before=None, sync=None) -> dict[str, float]
 
 def host_us(fn, calls: int, before=None) -> float:
     """Median wall time of fn(i) on the host alone (no device synchronize), in us."""
-    times = []
-    for i in range(calls):
-        if before is not None:
-            before(i)
-        start = time.perf_counter()
-        fn(i)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e6
+    return by_turns({"fn": fn}, calls, before and (lambda i, name: before(i)),
+                    sync=lambda: None)["fn"]
 
 
 def device_us(fn, calls: int) -> float:
@@ -127,23 +121,27 @@ def capture(fn, mechanism: str | None = None) -> torch.cuda.CUDAGraph:
 
 class Baseline:
     """The plain PyTorch way: NumPy fancy indexing of a memmap of the shard,
-    torch.from_numpy, .to(device), decode in torch.  The memmap is opened for
-    the baseline's own calls and closed after them (close()), so that it
-    keeps no page of the table while the operator's cold calls run."""
+    torch.from_numpy, .to(device), decode in torch.  The memmap is opened
+    (open(), untimed) for the baseline's own calls and closed after them
+    (close()), so that it keeps no page of the table while the operator's
+    cold calls run."""
 
     def __init__(self, path: Path, offset: int, num_rows: int, scale: float, device):
         self.args = (path, offset, num_rows)
         self.scale, self.device = scale, device
         self.memmap = None
 
-    def __call__(self, ids: torch.Tensor) -> torch.Tensor:
+    def open(self) -> None:
         import numpy as np
-        import torch
 
         if self.memmap is None:
             path, offset, num_rows = self.args
             self.memmap = np.memmap(path, dtype=np.uint8, mode="r", offset=offset,
                                     shape=(num_rows, ROW_BYTES))
+
+    def __call__(self, ids: torch.Tensor) -> torch.Tensor:
+        import torch
+
         rows = torch.from_numpy(self.memmap[ids.numpy()]).to(self.device)
         return (rows.view(torch.float8_e4m3fn).float() * self.scale).to(torch.bfloat16)
 
@@ -199,10 +197,10 @@ def thread_rows(table, calls: int, gen: torch.Generator, device) -> list[dict]:
     counts = sorted({cpus, max(1, cpus - 1)}, reverse=True)
     saved = table.config
     results = []
+    configs = {f"threads={t}": ple.GatherConfig(threads=t) for t in counts}
     for n in SIZES:
         requests = [torch.randint(0, table.num_rows, (n,), generator=gen).to(device)
                     for _ in range(calls)]
-        configs = {f"threads={t}": ple.GatherConfig(threads=t) for t in counts}
 
         def configure(i, name):
             table.config = configs[name]
@@ -242,8 +240,6 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    from ple_tools.figures import run_recorded
-
     return run_recorded(args.json, "bench_gpu", argv, lambda: run(args))
 
 
@@ -328,13 +324,15 @@ def run(args: argparse.Namespace) -> tuple[int, dict | None]:
                 pinned.free()
 
                 got = torch.ops.ple.disk_gather(cuda_requests[0], table.handle, torch.bfloat16)
+                baseline.open()
                 assert torch.equal(got, baseline(requests[0])), "operator and baseline disagree"
-                baseline.close()
 
                 def baseline_before(i):
-                    baseline.close()
+                    # Cold: the baseline's mapping must not keep the dropped pages.
                     if drop is not None:
+                        baseline.close()
                         drop(i)
+                        baseline.open()
                 row["baseline_us"] = median_us(lambda i: baseline(requests[i]), calls, baseline_before)
                 baseline.close()
                 results.append(row)

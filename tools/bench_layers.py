@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ple_tools.figures import add_json_option
+from ple_tools.figures import add_json_option, run_recorded
 
 if TYPE_CHECKING:  # for annotations; imported after parsing
     import torch
@@ -91,8 +91,6 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    from ple_tools.figures import run_recorded
-
     return run_recorded(args.json, "bench_layers", argv, lambda: run(args))
 
 

@@ -57,7 +57,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from ple_tools.figures import add_json_option
+from ple_tools.figures import add_json_option, run_recorded
 
 MiB = 2**20
 ARMS = ("mmap", "mmap-cache", "direct-cache")
@@ -302,8 +302,6 @@ def main(argv=None) -> int:
     if args.child:
         child_main(args.child)
         return 0
-    from ple_tools.figures import run_recorded
-
     return run_recorded(args.json, "bench_serving", argv, lambda: run(args))
 
 

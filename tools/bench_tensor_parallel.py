@@ -32,7 +32,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from ple_tools.figures import add_json_option
+from ple_tools.figures import add_json_option, run_recorded
 
 ROW_BYTES = 160
 SIZES = (16, 32768)  # a decode step, a prefill chunk (2,048 tokens of 16 heads)
@@ -85,8 +85,6 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     if args.rank is not None:
         return run_rank(args)
-    from ple_tools.figures import run_recorded
-
     return run_recorded(args.json, "bench_tensor_parallel", argv, lambda: launch(args))
 
 

@@ -49,7 +49,7 @@ from itertools import chain
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ple_tools.figures import add_json_option
+from ple_tools.figures import add_json_option, run_recorded
 
 if TYPE_CHECKING:  # for annotations; torch is imported after parsing (--help imports none)
     import torch
@@ -387,8 +387,6 @@ def main(argv=None) -> int:
     if args.child:
         print(json.dumps(run_arm(json.loads(args.child))))
         return 0
-    from ple_tools.figures import run_recorded
-
     return run_recorded(args.json, "bench_transformers", argv, lambda: run(args, parser))
 
 

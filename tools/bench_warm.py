@@ -36,7 +36,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from ple_tools.figures import add_json_option
+from ple_tools.figures import add_json_option, run_recorded
 
 FLOOR_SOURCE = Path(__file__).resolve().with_name("floor_gather.cpp")
 FLOOR = "floor"
@@ -127,14 +127,6 @@ def run_ple(python: str, spec: dict) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def warm_files(paths) -> None:
-    """Reads every file once, so that its pages are in the page cache."""
-    for path in paths:
-        with open(path, "rb", buffering=0) as f:
-            while f.read(16 << 20):
-                pass
-
-
 def summarize(turns: list[list[float]]) -> dict:
     medians = [statistics.median(t) for t in turns]
     every = [x for t in turns for x in t]
@@ -146,14 +138,13 @@ def main(argv=None) -> int:
     if args.child:
         child_main(json.loads(args.child))
         return 0
-    from ple_tools.figures import run_recorded
-
     return run_recorded(args.json, "bench_warm", argv, lambda: run(args))
 
 
 def run(args: argparse.Namespace) -> tuple[int, dict]:
     import numpy as np
 
+    from ple_tools.bench_gpu import read_whole_file
     from ple_tools.make_table import PREFIX, ensure_table
     from ple_tools.table_layout import Layout
 
@@ -179,7 +170,8 @@ def run(args: argparse.Namespace) -> tuple[int, dict]:
             _, file, offset = layout.locate(ids.reshape(-1))
             pair_files[size] = work / f"rows_{size}.bin"
             np.stack([file, offset], axis=1).astype(np.int64).tofile(pair_files[size])
-        warm_files(layout.paths)
+        for path in layout.paths:
+            read_whole_file(path)
         spec = {"table": str(args.table), "policy": args.policy, "threads": args.threads,
                 "ids": ids_files}
         print(f"{layout.num_rows:,} rows of {args.row_bytes} B ({args.table_gib:g} GiB, page cache "

@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ple_tools.figures import add_json_option
+from ple_tools.figures import add_json_option, run_recorded
 
 if TYPE_CHECKING:  # for annotations; imported after parsing
     import torch
@@ -133,8 +133,6 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    from ple_tools.figures import run_recorded
-
     return run_recorded(args.json, "demo", argv, lambda: run(args))
 
 
