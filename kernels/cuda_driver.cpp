@@ -70,6 +70,17 @@ RelaxedCaptureMode::RelaxedCaptureMode() {
 
 RelaxedCaptureMode::~RelaxedCaptureMode() { driver().exchange_capture_mode(&mode_); }
 
+void page_lock(void* data, size_t bytes) {
+  RelaxedCaptureMode relaxed;
+  // CU_MEMHOSTREGISTER_PORTABLE | CU_MEMHOSTREGISTER_DEVICEMAP
+  check(driver().mem_host_register(data, bytes, 0x01 | 0x02), "cuMemHostRegister");
+}
+
+void page_unlock(void* data) {
+  RelaxedCaptureMode relaxed;
+  check(driver().mem_host_unregister(data), "cuMemHostUnregister");
+}
+
 void ensure_context(int ordinal) {
   CUcontext current = nullptr;
   check(driver().ctx_get_current(&current), "cuCtxGetCurrent");

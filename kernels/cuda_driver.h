@@ -66,6 +66,13 @@ class RelaxedCaptureMode {
   int mode_ = 2;  // CU_STREAM_CAPTURE_MODE_RELAXED
 };
 
+// Page-locks host memory (pinned for every context, and mapped for the
+// device: kernels and stream memory operations reach it), also while a graph
+// is being captured; and undoes it.  The calling thread needs a current
+// context (ensure_context).
+void page_lock(void* data, size_t bytes);
+void page_unlock(void* data);
+
 // Page-locking needs a current context.  A thread that has not used CUDA yet
 // (a host tier placed before any CUDA call, a table closed from another
 // thread) gets the primary context of `ordinal`, the one torch uses for that

@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "mapped_table.h"
+#include "worker_pool.h"
 
 namespace ple {
 
@@ -43,16 +44,25 @@ class WordSlabs {
   // Words for one more gather, page-locked and mapped for the device.
   DoorbellWords* take() {
     std::lock_guard<std::mutex> lock(mutex_);
+    if (!returned_.empty()) {
+      DoorbellWords* words = returned_.back();
+      returned_.pop_back();
+      return words;
+    }
     if (next_ == kWordsPerSlab) {
       void* slab = ::mmap(nullptr, kSlabBytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
       if (slab == MAP_FAILED) throw std::bad_alloc();
-      RelaxedCaptureMode relaxed;
-      // PORTABLE: for every context; DEVICEMAP: the stream operations reach it.
-      check(driver().mem_host_register(slab, kSlabBytes, 0x01 | 0x02), "cuMemHostRegister");
+      page_lock(slab, kSlabBytes);
       slab_ = new (slab) DoorbellWords[kWordsPerSlab];
       next_ = 0;
     }
     return &slab_[next_++];
+  }
+
+  // Words that no graph uses (the capture refused the doorbell), for a later take().
+  void give_back(DoorbellWords* words) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    returned_.push_back(words);
   }
 
  private:
@@ -61,6 +71,7 @@ class WordSlabs {
   std::mutex mutex_;
   DoorbellWords* slab_ = nullptr;
   size_t next_ = kWordsPerSlab;
+  std::vector<DoorbellWords*> returned_;
 };
 
 // After a ring, the doorbell thread spins for kSpinFor (a decode loop's next
@@ -71,15 +82,6 @@ constexpr auto kSpinFor = std::chrono::milliseconds(2);
 constexpr auto kNearPoll = std::chrono::microseconds(20);
 constexpr auto kNearFor = std::chrono::milliseconds(200);
 constexpr auto kFarPoll = std::chrono::milliseconds(1);
-
-// Tells the core that this thread spins (and lets its sibling run).
-inline void cpu_relax() {
-#if defined(__x86_64__) || defined(__i386__)
-  __builtin_ia32_pause();
-#elif defined(__aarch64__)
-  asm volatile("yield");
-#endif
-}
 
 class DoorbellThread {
  public:
@@ -98,6 +100,7 @@ class DoorbellThread {
   void watch(std::unique_ptr<DoorbellJob> job) {
     std::lock_guard<std::mutex> lock(mutex_);
     jobs_.push_back(std::move(job));
+    job_count_.store(jobs_.size(), std::memory_order_release);
     if (owner_ != ::getpid()) {  // none yet, or the parent's (in a forked child)
       thread_.release();
       owner_ = ::getpid();
@@ -125,7 +128,7 @@ class DoorbellThread {
 
   // Gathers for every rung doorbell; whether there was one.
   bool answer_rings() {
-    {
+    if (job_count_.load(std::memory_order_acquire) != watched_.size()) {
       std::lock_guard<std::mutex> lock(mutex_);
       for (size_t i = watched_.size(); i < jobs_.size(); ++i) watched_.push_back(jobs_[i].get());
     }
@@ -142,6 +145,7 @@ class DoorbellThread {
 
   std::mutex mutex_;
   std::deque<std::unique_ptr<DoorbellJob>> jobs_;  // grows under mutex_
+  std::atomic<size_t> job_count_{0};  // jobs_.size(), read without the mutex
   std::vector<DoorbellJob*> watched_;  // the doorbell thread's copy of jobs_
   std::unique_ptr<std::thread> thread_;  // released, never destroyed, in a forked child
   pid_t owner_ = 0;
@@ -173,8 +177,11 @@ bool enqueue_doorbell_gather(CUstream stream, const HostGatherJob& job) {
   const CUdeviceptr ring = device_address(doorbell->words->ring);
   const CUdeviceptr done = device_address(doorbell->words->done);
   // The default write orders the ids' copy before the ring; a refusal of the
-  // first operation leaves the capture as it was.
-  if (cuda.stream_write_value32(stream, ring, 1, kWriteValueDefault) != 0) return false;
+  // first operation leaves the capture as it was, and the words unused.
+  if (cuda.stream_write_value32(stream, ring, 1, kWriteValueDefault) != 0) {
+    word_slabs().give_back(doorbell->words);
+    return false;
+  }
   check(cuda.stream_wait_value32(stream, done, 1, kWaitValueEqual), "cuStreamWaitValue32");
   check(cuda.stream_write_value32(stream, done, 0, kWriteValueDefault), "cuStreamWriteValue32");
   doorbell_thread().watch(std::move(doorbell));

@@ -15,7 +15,6 @@
 #include "host_gather.h"
 
 #include <pthread.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <cstdlib>
@@ -28,6 +27,7 @@
 #include <vector>
 
 #include "doorbell_gather.h"
+#include "worker_pool.h"
 
 namespace ple {
 
@@ -87,8 +87,8 @@ bool doorbell_wanted() {
 // that waits for the stream (a synchronize spins), which measured faster on
 // the H200 machine (docs/performance.md).
 int64_t host_gather_threads() {
-  static const int64_t cpus = ::sysconf(_SC_NPROCESSORS_ONLN);
-  return std::max<int64_t>(1, cpus - 1);
+  static const int64_t threads = std::max(1, available_cpus() - 1);
+  return threads;
 }
 
 }  // namespace
@@ -126,15 +126,12 @@ std::string graph_gather_mechanism() { return doorbell_wanted() ? "doorbell" : "
 
 void register_host_memory(void* data, size_t bytes, int device) {
   ensure_context(device);
-  RelaxedCaptureMode relaxed;
-  // PORTABLE: pinned for every context; DEVICEMAP: kernels may read it (UVA).
-  check(driver().mem_host_register(data, bytes, 0x01 | 0x02), "cuMemHostRegister");
+  page_lock(data, bytes);
 }
 
 void unregister_host_memory(void* data, int device) {
   ensure_context(device);
-  RelaxedCaptureMode relaxed;
-  check(driver().mem_host_unregister(data), "cuMemHostUnregister");
+  page_unlock(data);
 }
 
 std::string take_host_error(int64_t handle, uintptr_t stream) {

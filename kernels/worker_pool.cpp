@@ -32,12 +32,6 @@ constexpr auto kIdleWait = std::chrono::milliseconds(10);
 // job at a time.
 thread_local bool inside_job = false;
 
-int available_cpus() {
-  cpu_set_t set;
-  if (::sched_getaffinity(0, sizeof(set), &set) != 0) return 1;
-  return CPU_COUNT(&set);
-}
-
 // Waits until ready() or kSpin has passed; whether ready() held.
 template <typename Ready>
 bool spin_until(Ready ready) {
@@ -45,9 +39,7 @@ bool spin_until(Ready ready) {
   for (unsigned i = 1;; ++i) {
     if (ready()) return true;
     if (i % 64 == 0 && std::chrono::steady_clock::now() >= until) return false;
-#if defined(__x86_64__) || defined(__i386__)
-    __builtin_ia32_pause();
-#endif
+    cpu_relax();
   }
 }
 
@@ -212,6 +204,12 @@ void run_parallel(int count, const std::function<void(int)>& task,
   for (int first = 0; first < count; first += Job::kMaxTasks) {
     pool().run(std::min(Job::kMaxTasks, count - first), [&](int i) { task(first + i); }, idle);
   }
+}
+
+int available_cpus() {
+  cpu_set_t set;
+  if (::sched_getaffinity(0, sizeof(set), &set) != 0) return 1;
+  return CPU_COUNT(&set);
 }
 
 }  // namespace ple

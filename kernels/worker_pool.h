@@ -21,4 +21,17 @@ namespace ple {
 void run_parallel(int count, const std::function<void(int)>& task,
                   const std::function<void()>& idle = {});
 
+// The CPUs this process may run on (its affinity mask), which is what the
+// pool sizes itself by.
+int available_cpus();
+
+// Tells the core that this thread spins, and lets its sibling run.
+inline void cpu_relax() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#elif defined(__aarch64__)
+  asm volatile("yield");
+#endif
+}
+
 }  // namespace ple
