@@ -1,6 +1,7 @@
 #include "gather_config.h"
 
 #include <stdexcept>
+#include <string_view>
 
 namespace ple {
 
@@ -20,12 +21,40 @@ const Entry& find_choice(const char* what, const Entry (&choices)[N], const std:
                               "' (expected one of " + names + ")");
 }
 
-void check_range(const char* what, uint64_t value, uint64_t least, uint64_t most) {
-  if (value < least || value > most) {
-    throw std::invalid_argument(std::string(what) + " must be " +
-                                (value < least ? "at least " + std::to_string(least)
-                                               : "at most " + std::to_string(most)) +
-                                ", got " + std::to_string(value));
+// The entry of kConfigFields named `name`; evaluated at compile time, a
+// name not in the table does not compile.
+constexpr const ConfigField& config_field(std::string_view name) {
+  for (const ConfigField& field : kConfigFields) {
+    if (name == field.name) return field;
+  }
+  throw std::logic_error("no such config field");
+}
+
+std::string out_of_range(const ConfigField& field, bool below, const std::string& unit) {
+  return std::string(field.name) + " must be " + (below ? "at least " : "at most ") +
+         std::to_string(below ? field.least : field.most) + unit;
+}
+
+// A count (threads, reads) within its field's range.
+void check_count(const ConfigField& field, int64_t count) {
+  if (count < field.least || count > field.most) {
+    throw std::invalid_argument(out_of_range(field, count < field.least, "") + ", got " +
+                                std::to_string(count));
+  }
+}
+
+// A size in bytes within its field's range, which is in the field's unit,
+// and a power of two or 0 where the field says so.
+void check_size(const ConfigField& field, uint64_t bytes) {
+  const auto unit = static_cast<uint64_t>(field.unit_bytes);
+  const bool below = bytes < static_cast<uint64_t>(field.least) * unit;
+  if (below || bytes > static_cast<uint64_t>(field.most) * unit) {
+    throw std::invalid_argument(out_of_range(field, below, std::string(" ") + field.unit) +
+                                ", got " + std::to_string(bytes) + " bytes");
+  }
+  if (field.power_of_two && (bytes & (bytes - 1)) != 0) {
+    throw std::invalid_argument(std::string(field.name) + " must be 0 or a power of two, got " +
+                                std::to_string(bytes));
   }
 }
 
@@ -38,17 +67,16 @@ Policy parse_policy(const std::string& name) {
 Io parse_io(const std::string& name) { return find_choice("io mode", kIoModes, name).io; }
 
 void check_config(const GatherConfig& config) {
-  if (config.threads < 1) throw std::invalid_argument("threads must be at least 1");
-  check_range("threads", static_cast<uint64_t>(config.threads), 1, kMaxThreads);
-  check_range("window bytes", config.window_bytes, 0, uint64_t{kMaxPrefetchWindowKib} * kKiB);
-  check_range("row cache bytes", config.row_cache_bytes, 0, uint64_t{kMaxRowCacheMib} * kMiB);
-  if (config.io_queue_depth < 1) throw std::invalid_argument("io_queue_depth must be at least 1");
-  check_range("io_queue_depth", static_cast<uint64_t>(config.io_queue_depth), 1, kMaxIoQueueDepth);
-  check_range("io_block_bytes", config.io_block_bytes, 0, kMaxIoBlockBytes);
-  if ((config.io_block_bytes & (config.io_block_bytes - 1)) != 0) {
-    throw std::invalid_argument("io_block_bytes must be 0 or a power of two, got " +
-                                std::to_string(config.io_block_bytes));
-  }
+  constexpr const ConfigField& window = config_field("prefetch_window_kib");
+  constexpr const ConfigField& threads = config_field("threads");
+  constexpr const ConfigField& row_cache = config_field("row_cache_mib");
+  constexpr const ConfigField& depth = config_field("io_queue_depth");
+  constexpr const ConfigField& block = config_field("io_block_bytes");
+  check_size(window, config.window_bytes);
+  check_count(threads, config.threads);
+  check_size(row_cache, config.row_cache_bytes);
+  check_count(depth, config.io_queue_depth);
+  check_size(block, config.io_block_bytes);
 }
 
 }  // namespace ple
