@@ -152,17 +152,22 @@ def _walk_header(path: Path, header: bytes, wanted: frozenset[str]
                            at)
         keys.add(key)
         kind = walk.number(4)
-        if key in wanted:
-            values[key] = walk.integers(kind, key, at)
-            continue
-        value = walk.value(kind)
         if key == "general.alignment":
             if kind != UINT32:
                 raise walk.bad(f"general.alignment is of value type {kind}, not UINT32 "
                                f"({UINT32})", at)
-            alignment = int.from_bytes(value, "little")
-            if alignment == 0 or alignment & (alignment - 1):
-                raise walk.bad(f"general.alignment {alignment} is not a power of two", at)
+        elif key not in wanted:
+            walk.value(kind)
+            continue
+        # Read once, for the alignment, for the caller, or for both: the
+        # alignment is applied whether or not the caller also asks for it.
+        value = walk.integers(kind, key, at)
+        if key == "general.alignment":
+            if value == 0 or value & (value - 1):
+                raise walk.bad(f"general.alignment {value} is not a power of two", at)
+            alignment = value
+        if key in wanted:
+            values[key] = value
     infos, names = [], set()
     for index in range(tensors):
         at = walk.at

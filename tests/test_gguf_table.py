@@ -261,3 +261,48 @@ def test_header_values_equal_the_gguf_readers(tmp_path):
     assert list(header.tensors) == ["t"]
     with pytest.raises(ValueError, match=r"a.text is of value type 8, not an integer"):
         read_gguf_header(path, keys=("a.text",))
+
+
+@pytest.mark.parametrize("keys", [(), ("general.alignment",), ("general.alignment", "a.u32")])
+def test_a_wanted_alignment_is_returned_and_applied(tmp_path, keys):
+    """general.alignment asked for among the keys is returned and still sets
+    where the tensors are: their offsets equal gguf.GGUFReader's."""
+    path = tmp_path / "aligned.gguf"
+    writer = gguf.GGUFWriter(str(path), "test")
+    writer.add_custom_alignment(128)
+    writer.add_uint32("a.u32", 7)
+    writer.add_string("a.text", "moves the end of the header")
+    writer.add_tensor("v", np.arange(5, dtype=np.float32))  # 20 bytes: the next is padded
+    writer.add_tensor("t", np.ones((3, 8), dtype=np.float32))
+    writer.add_tensor("h", np.zeros((2, 16), dtype=np.float16))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    reader = gguf.GGUFReader(path)
+    assert reader.alignment == 128
+    # The default alignment would start the data elsewhere: this file tells them apart.
+    infos_end = max(t.field.offset + sum(int(part.nbytes) for part in t.field.parts)
+                    for t in reader.tensors)
+    assert infos_end + -infos_end % 32 != reader.data_offset
+    header = read_gguf_header(path, keys=keys)
+    assert header.values == {key: reader.fields[key].contents() for key in keys}
+    if "general.alignment" in keys:
+        assert header.values["general.alignment"] == 128
+    assert {name: (e.offset, e.nbytes) for name, e in header.tensors.items()} == {
+        t.name: (int(t.data_offset), int(t.n_bytes)) for t in reader.tensors}
+    assert all(e.offset % 128 == 0 for e in header.tensors.values())
+
+
+def test_a_wanted_alignment_is_still_checked(tmp_path):
+    path = tmp_path / "bad_alignment.gguf"
+    writer = gguf.GGUFWriter(str(path), "test")
+    writer.add_uint32("general.alignment", 48)  # add_custom_alignment refuses it
+    writer.add_tensor("v", np.arange(5, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    for keys in ((), ("general.alignment",)):
+        with pytest.raises(ValueError, match=r"general.alignment 48 is not a power of two"):
+            read_gguf_header(path, keys=keys)
