@@ -53,7 +53,7 @@ when they differ or an arm fails.
 The parts: tools/gather_arms.py runs the arms, tools/table_layout.py says
 where the rows lie (from ple.Table), tools/odirect.py reads pages with
 O_DIRECT, tools/cgroup.py makes the memory cgroups, tools/cpu_load.py the
-busy processes, tools/report.py prints the table, the ratios, the JSON and
+busy processes, tools/report.py prints the table and the ratios and draws
 the plot.
 """
 
@@ -63,7 +63,6 @@ import argparse
 import json
 import mmap
 import os
-import platform
 import subprocess
 import sys
 from pathlib import Path
@@ -295,9 +294,7 @@ def run(args: argparse.Namespace) -> tuple[int, dict | None]:
                   f"cannot: {error}; {hint}", file=sys.stderr)
             return 2, None
 
-    import torch
-
-    import ple
+    import ple  # and torch, which run_recorded's machine line names
     from ple_tools import report
     from ple_tools.cpu_load import BusyProcesses
     from ple_tools.demo import make_requests
@@ -368,14 +365,14 @@ def run(args: argparse.Namespace) -> tuple[int, dict | None]:
     found = report.ratios(results)
     report.print_ratios(found)
 
-    document = report.document(
-        setup, args={k: (str(v) if isinstance(v, Path) else v)
-                     for k, v in vars(args).items() if k != "child"},
-        table={"num_rows": layout.num_rows, "row_bytes": args.row_bytes,
-               "files": [str(p) for p in layout.paths], "shard_rows": layout.shard_rows},
-        machine={"cpus": os.cpu_count(), "kernel": platform.release(), "load_average": load,
-                 "torch": torch.__version__},
-        results=results, found=found, digests=digests)
+    # The command, the machine (CPUs, torch, kernel) and the date: run_recorded records them.
+    document = {"setup": setup,
+                "table": {"num_rows": layout.num_rows, "row_bytes": args.row_bytes,
+                          "files": [str(p) for p in layout.paths],
+                          "shard_rows": layout.shard_rows},
+                "load_average_1min": {"before_arms": load[0], "after_arms": load[1]},
+                "arms": results, "ratios": found, "sha256_equal": len(digests) == 1,
+                "failed_arms": [r["arm"] for r in failed]}
     if args.plot:
         report.plot(results, args.plot, setup.split(";")[0])
     if failed:

@@ -344,9 +344,8 @@ def run(args: argparse.Namespace) -> tuple[int, dict]:
     ratios = report(results, setup)
     print(f"load average (1 min) {load[0]:.2f} before the arms, {load[1]:.2f} after")
     document = {"setup": setup, "capped": capped,
-                "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()
-                         if k != "child"},
-                "load_average": load, "arms": results, "ratios": ratios}
+                "load_average_1min": {"before_arms": load[0], "after_arms": load[1]},
+                "arms": results, "ratios": ratios}
     return (1 if any("error" in r for r in results) or not ratios["same_bytes"] else 0), document
 
 

@@ -141,7 +141,7 @@ def main(argv=None) -> int:
     return run_recorded(args.json, "bench_warm", argv, lambda: run(args))
 
 
-def run(args: argparse.Namespace) -> tuple[int, dict]:
+def run(args: argparse.Namespace) -> tuple[int, list[dict]]:
     import numpy as np
 
     from ple_tools.bench_gpu import read_whole_file
@@ -176,7 +176,7 @@ def run(args: argparse.Namespace) -> tuple[int, dict]:
                 "ids": ids_files}
         print(f"{layout.num_rows:,} rows of {args.row_bytes} B ({args.table_gib:g} GiB, page cache "
               f"warm); {args.calls} calls per arm and turn, {args.turns} turns; {args.threads} "
-              f"threads; policy {args.policy}", file=sys.stderr)
+              f"threads; policy {args.policy}")
         for turn in range(args.turns):
             for python, arm in zip(pythons, arms):
                 print(f"  turn {turn + 1}: {arm} ...", file=sys.stderr, flush=True)
@@ -219,8 +219,7 @@ def run(args: argparse.Namespace) -> tuple[int, dict]:
     differ = [size for size, found in digests.items() if len(found) > 1]
     for size in differ:
         print(f"FAIL: the arms returned different bytes for {size} ids")
-    return (1 if differ or failed else 0), {"args": {k: str(v) for k, v in vars(args).items()},
-                                            "results": rows}
+    return (1 if differ or failed else 0), rows
 
 
 if __name__ == "__main__":

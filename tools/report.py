@@ -1,6 +1,6 @@
 """The gather benchmark's report: per-arm summaries of the calls, the table
-printed, ratios between arms, the page cache room under a memory limit, and
-the JSON document and plot.  Figures and ratios only: what is good enough is
+printed, ratios between arms, the page cache room under a memory limit, and the
+plot.  Figures and ratios only: what is good enough is
 for the reader to judge."""
 
 from __future__ import annotations
@@ -167,14 +167,6 @@ def print_cgroup_room(results: list[dict]) -> None:
             print(f"{label}: page cache room left by the limit (limit - non-cache usage at "
                   f"the end of the arm) {min(room):.1f} to {max(room):.1f} MiB; kernel "
                   f"memory charged (page tables, slab) {min(other):.1f} to {max(other):.1f} MiB")
-
-
-def document(setup: str, args: dict, table: dict, machine: dict, results: list[dict],
-             found: dict, digests: set[str]) -> dict:
-    """The JSON document of a run."""
-    return {"setup": setup, "args": args, "table": table, "machine": machine, "arms": results,
-            "ratios": found, "sha256_equal": len(digests) == 1,
-            "failed_arms": [r["arm"] for r in results if "error" in r]}
 
 
 def plot(results: list[dict], path: Path, title: str) -> None:
