@@ -97,15 +97,12 @@ struct Plan {
   std::vector<DirectRead>& reads;  // in file order
   uint64_t unique_pages = 0;
 
-  // Sorts `rows`, places them in their files and lists the reads that
-  // cover their blocks: each distinct block once, adjacent blocks of a file
-  // in one read of up to kMaxReadBytes.
-  void make(std::vector<DirectRow>& by_address) {
-    std::sort(by_address.begin(), by_address.end(), [](const DirectRow& a, const DirectRow& b) {
-      return a.address != b.address ? a.address < b.address : a.position < b.position;
-    });
+  // Places the rows, sorted by address, in their files and lists the reads
+  // that cover their blocks: each distinct block once, adjacent blocks of a
+  // file in one read of up to kMaxReadBytes.
+  void make(const RowRef* by_address, size_t n) {
     const auto& table_files = files.files();
-    rows.resize(by_address.size());
+    rows.resize(n);
     reads.clear();
     uint32_t f = 0;
     uint64_t last_page = 0;
@@ -316,11 +313,11 @@ DirectFiles::~DirectFiles() {
 }
 
 DirectCounters read_direct(const DirectFiles& files, uint64_t block, IoBackend backend, int depth,
-                           int threads, int64_t row_bytes, DirectScratch& scratch,
-                           uint8_t* out, const std::function<int64_t(int64_t)>& id_at,
-                           Interruption& stop) {
+                           int threads, int64_t row_bytes, const RowRef* by_address, size_t n,
+                           DirectScratch& scratch, uint8_t* out,
+                           const std::function<int64_t(int64_t)>& id_at, Interruption& stop) {
   Plan plan{files, block, backend, row_bytes, out, id_at, scratch.placed, scratch.reads};
-  plan.make(scratch.rows);
+  plan.make(by_address, n);
   stop.check();
   const size_t reads = plan.reads.size();
   const int parts = static_cast<int>(std::max<size_t>(

@@ -52,11 +52,11 @@ class DirectFiles {
   uint64_t alignment_ = 0;
 };
 
-// A row to read: its address in the table's mapping (which says the file and
-// the offset) and its place in the request.
-struct DirectRow {
+// A row of a request: its address in the table's mapping (which says the
+// file and the offset) and its place in the request.
+struct RowRef {
   uintptr_t address;
-  int64_t position;
+  int64_t position;  // index in the request
 };
 
 // A row placed in its file.
@@ -79,8 +79,7 @@ struct DirectRead {
 // once (in its GatherScratch): a call allocates none of its per-row memory
 // once the table has served calls of its size.
 struct DirectScratch {
-  std::vector<DirectRow> rows;     // the caller's: the rows to read
-  std::vector<PlacedRow> placed;   // those rows in file order
+  std::vector<PlacedRow> placed;   // the rows to read, in file order
   std::vector<DirectRead> reads;   // in file order
 };
 
@@ -90,15 +89,16 @@ struct DirectCounters {
   uint64_t unique_pages = 0;  // distinct 4 KiB file pages under the rows
 };
 
-// Reads scratch.rows (sorted here by address) into out + position * row_bytes,
+// Reads the `n` rows at `by_address` (sorted by address, then position) into
+// out + position * row_bytes,
 // in reads of whole `block`s (a power of two, from files.alignment() to
 // kMaxReadBytes), with the engines of `backend`, at most `depth` reads in
 // flight in all, spread over up to `threads` threads.  `id_at` gives the id
 // of a position, for errors.  `stop` can end it early (Interrupted; `out`
 // partly written).
 DirectCounters read_direct(const DirectFiles& files, uint64_t block, IoBackend backend, int depth,
-                           int threads, int64_t row_bytes, DirectScratch& scratch,
-                           uint8_t* out, const std::function<int64_t(int64_t)>& id_at,
+                           int threads, int64_t row_bytes, const RowRef* by_address, size_t n,
+                           DirectScratch& scratch, uint8_t* out, const std::function<int64_t(int64_t)>& id_at,
                            Interruption& stop);
 
 }  // namespace ple

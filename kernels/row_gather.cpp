@@ -37,11 +37,6 @@ const int kPageShift = __builtin_ctzll(kPage);
 
 uintptr_t page_of(uintptr_t address) { return address & ~(kPage - 1); }
 
-struct RowRef {
-  uintptr_t address;
-  int64_t position;  // index in the request
-};
-
 // A row whose bytes could not be read: its copy raised SIGBUS.
 struct RowFault : std::exception {
   explicit RowFault(RowRef row) : row(row) {}
@@ -919,15 +914,12 @@ void add_counters(GatherCounters& counters, const CopyCounters& r) {
 DirectCounters read_from_files(MappedTable& table, const GatherConfig& config,
                                GatherScratch& scratch, const void* ids, bool ids_are_int64,
                                uint8_t* out, Interruption& stop) {
-  std::vector<DirectRow>& direct = scratch.direct.rows;
-  direct.clear();
-  const RowRef* rows = scratch.rows.data();
-  for (const Part& part : scratch.parts) {
-    for (int64_t k = part.begin; k < part.end; ++k) direct.push_back({rows[k].address, rows[k].position});
-  }
+  const int64_t total = disk_rows(scratch);
+  sort_by_address(scratch, total);
   const DirectFiles& files = table.direct_files();
   return read_direct(files, files.block(config.io_block_bytes), table.io_backend(),
-                     config.io_queue_depth, config.threads, table.row_bytes(), scratch.direct, out,
+                     config.io_queue_depth, config.threads, table.row_bytes(),
+                     scratch.sorted.data(), static_cast<size_t>(total), scratch.direct, out,
                      [&](int64_t position) { return id_at(ids, ids_are_int64, position); }, stop);
 }
 
