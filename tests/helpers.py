@@ -172,17 +172,33 @@ def write_byte_table(paths: list[Path], shard_rows: list[int], row_bytes: int, *
                      np.array(row_offset, dtype=np.int64))
 
 
+def write_sharded_table(directory: Path, shard_rows: tuple[int, ...], row_bytes: int) -> ByteTable:
+    """The shard family ``t.shard_{i}.weight`` of ``shard_rows`` rows of
+    ``row_bytes`` random bytes (seeded with ``row_bytes``): even shards in
+    ``directory``/a.safetensors, odd ones in b.safetensors, behind pads of 13
+    and 1001 bytes, so that rows straddle pages, shards and files."""
+    return write_byte_table([directory / "a.safetensors", directory / "b.safetensors"],
+                            list(shard_rows), row_bytes, seed=row_bytes, pads=(13, 1001))
+
+
 def write_arange_table(path: Path, rows: int, cols: int, name: str = "t") -> Path:
     """A float32 table whose row i holds i * cols .. i * cols + cols - 1."""
     save_file({name: torch.arange(rows * cols, dtype=torch.float32).reshape(rows, cols)}, str(path))
     return path
 
 
+def random_fp8_bytes(rng: np.random.Generator, shape: tuple[int, ...]) -> np.ndarray:
+    """Random uint8 bytes of ``shape`` from ``rng``, none of them an FP8
+    e4m3fn NaN (S.1111.111), so that decoded outputs compare with ==."""
+    raw = rng.integers(0, 256, shape, dtype=np.uint8)
+    raw[(raw & 0x7F) == 0x7F] ^= 1  # the next pattern down: the largest finite magnitude
+    return raw
+
+
 def write_fp8_table(path: Path, rows: int = 5000, seed: int = 0) -> Path:
     """A table of 160 B FP8 rows of random bytes (none NaN, so that outputs
     compare with ==) and a scale of 0.5."""
-    raw = torch.from_numpy(np.random.default_rng(seed).integers(0, 256, (rows, 160), dtype=np.uint8))
-    raw[(raw & 0x7F) == 0x7F] ^= 1
+    raw = torch.from_numpy(random_fp8_bytes(np.random.default_rng(seed), (rows, 160)))
     save_file({"t": raw.view(torch.float8_e4m3fn), "t_scale": torch.tensor(0.5)}, str(path))
     return path
 

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import save_file
 
-from helpers import assert_same_bits, run_ranks, write_gguf
+from helpers import assert_same_bits, random_fp8_bytes, run_ranks, write_gguf
 from ple.layers import DiskEmbedding, NGramEmbedding, NGramHashing, PackedGGUFEmbedding
 from ple.layers.parallel import row_range
 
@@ -39,8 +39,7 @@ def write_tables(directory: Path) -> Path:
     """An n-gram checkpoint (FP8 without NaN, some -0.0 bytes) and a GGUF file
     with a Q8_0 token embedding and a table of one row."""
     rng = np.random.default_rng(0)
-    raw = rng.integers(0, 256, (NGramHashing(**HASHING).rows + 13, COLS), dtype=np.uint8)
-    raw[(raw & 0x7F) == 0x7F] ^= 1
+    raw = random_fp8_bytes(rng, (NGramHashing(**HASHING).rows + 13, COLS))
     raw[:, 0] = 0x80
     save_file({"ngram_embedding.shard_0.weight": torch.from_numpy(raw).view(torch.float8_e4m3fn),
                "ngram_embedding.weight_scale": torch.tensor(0.25)},

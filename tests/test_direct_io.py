@@ -21,7 +21,7 @@ from safetensors.torch import save_file
 
 import ple
 from helpers import (PAGE, ByteTable, close_while_threads_gather, resident_pages, run_threads,
-                     write_byte_table)
+                     write_byte_table, write_sharded_table)
 from ple import GatherConfig
 from test_process_safety import expect_ok, run_script, skip_if_early, write_rows
 
@@ -72,9 +72,7 @@ def backend(request, monkeypatch, usable_backends) -> str:
 def sharded(request, tmp_path_factory) -> ByteTable:
     """test_gather's geometry: shards of 97, 97, 77 rows, 0 and 2 in a.safetensors,
     1 in b.safetensors, each file with a pad that moves the rows off alignment."""
-    directory = tmp_path_factory.mktemp(f"direct{request.param}")
-    fx = write_byte_table([directory / "a.safetensors", directory / "b.safetensors"],
-                          list(SHARD_ROWS), request.param, seed=request.param, pads=(13, 1001))
+    fx = write_sharded_table(tmp_path_factory.mktemp(f"direct{request.param}"), SHARD_ROWS, request.param)
     yield fx
     fx.table.close()
 

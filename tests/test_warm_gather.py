@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from helpers import ByteTable, run_threads, write_byte_table
+from helpers import ByteTable, run_threads, write_byte_table, write_sharded_table
 from ple import GatherConfig, Table
 
 SHARD_ROWS = (700, 700, 601)  # three shards over two files
@@ -25,9 +25,7 @@ ROW_BYTES = (1, 17, 160, 4096, 8193)
 def sharded(request, tmp_path_factory) -> ByteTable:
     """Shards 0 and 2 in a.safetensors, shard 1 in b.safetensors, shifted off
     page alignment: rows straddle pages, shards and files."""
-    directory = tmp_path_factory.mktemp(f"warm{request.param}")
-    fx = write_byte_table([directory / "a.safetensors", directory / "b.safetensors"],
-                          list(SHARD_ROWS), request.param, seed=request.param, pads=(13, 1001))
+    fx = write_sharded_table(tmp_path_factory.mktemp(f"warm{request.param}"), SHARD_ROWS, request.param)
     yield fx
     fx.table.close()
 
