@@ -27,8 +27,8 @@ FIELDS = ("arm", "state", "ms_median", "ms_min", "ms_max", "rows_per_s",
           "unique_pages_per_call", "read_bytes_per_call", "major_faults_per_call",
           "advised_pages_per_call", "evicted_before_copy_per_call", "sha256", "per_call")
 GATHERING = ("none", "all", "distance:4096", "window:64", "window:4096", "direct",
-             "direct-cache:256")
-DIRECT = ("direct", "direct-cache:256")
+             "direct-cache:256", "direct-depth:8")
+DIRECT = ("direct", "direct-cache:256", "direct-depth:8")
 QUICK_ARMS = ([("prime:32", "cold")] + [(a, "cold") for a in GATHERING] + [("ceiling:32", "cold")]
               + [(a, "warm") for a in GATHERING] + [("numpy", "warm")])
 
@@ -48,7 +48,7 @@ def bench_table(tmp_path_factory):
 def quick(bench_table):
     out = bench_table.parent / "results.json"
     proc = run_tool("--quick", "--warm", "--table-gib", 0.0625, "--table", bench_table,
-                    "--json", out)
+                    "--direct-depths", 8, "--json", out)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return proc, json.loads(out.read_text())["results"]
 

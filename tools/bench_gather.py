@@ -4,7 +4,7 @@ and against what the disk serves, cold, warm and under memory pressure.
     ple-bench-gather [--table-gib 8] [--calls 16] [--rows 18000]
                      [--windows 64,1024,4096,16384] [--warm]
                      [--direct-cache MiB] [--direct-blocks BYTES,...]
-                     [--io-queue-depth N] [--cpu-load N]
+                     [--direct-depths N,...] [--io-queue-depth N] [--cpu-load N]
                      [--memory-limit MiB --ballast MiB]
                      [--json PATH] [--plot PATH] [--quick]
     (or python tools/bench_gather.py ...)
@@ -23,6 +23,8 @@ Arms, each running the same calls with the same seeded random ids:
                   the rows come from it
   direct-block:BYTES  direct with reads of BYTES blocks (--direct-blocks;
                   direct's own are the files' direct-I/O alignment)
+  direct-depth:N  direct with N reads in flight (--direct-depths; direct's
+                  own is GatherConfig's io_queue_depth, or --io-queue-depth)
   ceiling:DEPTH   not a gather: the unique 4 KiB pages under each call's rows,
                   read with O_DIRECT (no page cache, no mmap) with DEPTH reads
                   in flight (Linux AIO, or --ceiling-engine threads: a pool of
@@ -112,6 +114,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--direct-blocks", default="", metavar="BYTES,...",
                         help="io_block_bytes of direct-block:BYTES arms, comma separated "
                              "(default none)")
+    parser.add_argument("--direct-depths", default="", metavar="N,...",
+                        help="io_queue_depth of direct-depth:N arms, comma separated "
+                             "(default none)")
     parser.add_argument("--no-direct", dest="direct", action="store_false",
                         help="leave out the direct and direct-cache arms")
     parser.add_argument("--io-queue-depth", type=int, metavar="N",
@@ -167,6 +172,7 @@ def arm_list(args) -> list[str]:
         if args.direct_cache:
             arms.append(f"direct-cache:{args.direct_cache}")
         arms += [f"direct-block:{int(b)}" for b in args.direct_blocks.split(",") if b.strip()]
+        arms += [f"direct-depth:{int(d)}" for d in args.direct_depths.split(",") if d.strip()]
     return arms
 
 

@@ -4,7 +4,7 @@ same calls (seeded random ids) and returns a record of per-call figures.
   gathering arms  ple's gather with one prefetch policy (GatherConfig.from_spec),
                   or with direct I/O: direct (no row cache) and
                   direct-cache:MiB (a row cache of MiB), direct-block:BYTES
-                  (reads of BYTES blocks)
+                  (reads of BYTES blocks), direct-depth:N (N reads in flight)
   numpy           NumPy fancy indexing of np.memmaps of the shards (warm)
   ceiling:DEPTH   the unique pages under each call's rows read with O_DIRECT
                   at queue depth DEPTH (tools/odirect.py); produces no rows
@@ -53,18 +53,21 @@ def new_record(arm: str, state: str) -> dict:
     return {"arm": arm, "state": state, "calls": []}
 
 
+# The direct arms, and the GatherConfig field that each one's value sets.
+DIRECT_FIELD = {"direct": None, "direct-cache": "row_cache_mib", "direct-block": "io_block_bytes",
+                "direct-depth": "io_queue_depth"}
+
+
 def arm_config(arm: str, threads: int | None, io_queue_depth: int | None = None) -> ple.GatherConfig:
     """The GatherConfig of a gathering arm: ``policy[:KiB]``, ``direct``,
-    ``direct-cache:MiB`` or ``direct-block:BYTES``."""
+    ``direct-cache:MiB``, ``direct-block:BYTES`` or ``direct-depth:N``."""
     fields = {"threads": threads} if threads else {}
     kind, value = arm_kind(arm)
-    if kind in ("direct", "direct-cache", "direct-block"):
+    if kind in DIRECT_FIELD:
         if io_queue_depth:
             fields["io_queue_depth"] = io_queue_depth
-        if kind == "direct-block":
-            fields["io_block_bytes"] = value
-        elif kind == "direct-cache":
-            fields["row_cache_mib"] = value
+        if DIRECT_FIELD[kind]:
+            fields[DIRECT_FIELD[kind]] = value
         return ple.GatherConfig(io="direct", **fields)
     return ple.GatherConfig.from_spec(arm, **fields)
 
