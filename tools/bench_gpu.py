@@ -13,8 +13,7 @@ indexing of a memmap, torch.from_numpy, .to("cuda"), decode in torch).
 Cold calls drop the table's pages first; the baseline's memmap is opened
 for its own calls only, so that no other mapping keeps the pages.  Then:
 a graph of one tiny kernel (the floor of a replay), the doorbell graph
-replayed after pauses, the eager operator with the machine's CPUs as
-threads and one fewer, the operator with the table in tiers, and the copy
+replayed after pauses, the operator with the table in tiers, and the copy
 bandwidths.
 """
 
@@ -46,14 +45,18 @@ def median_us(fn, calls: int, before=None) -> float:
 def by_turns(arms: dict, calls: int, before=None, sync=None) -> dict[str, float]:
     """Median wall time (us) of each arm's fn(i) and a device synchronize,
     the arms taking turns call by call, so that the machine's drift falls on
-    all of them alike.  before(i, arm), untimed, runs ahead of every call.
+    all of them alike.  The arm that goes first rotates from call to call:
+    arms given the same ids gather rows that the arm before them left in the
+    CPU's caches.  before(i, arm), untimed, runs ahead of every call.
     ``sync``: waits for the device (default torch.cuda.synchronize)."""
     import torch
 
     sync = sync or torch.cuda.synchronize
     times = {name: [] for name in arms}
+    order = list(arms.items())
     for i in range(calls):
-        for name, fn in arms.items():
+        turn = i % len(order)
+        for name, fn in order[turn:] + order[:turn]:
             if before is not None:
                 before(i, name)
             sync()
@@ -184,30 +187,6 @@ def tier_rows(table, calls: int, gen: torch.Generator, device) -> list[dict]:
         results.append(row)
         print(f"  tiers {split} done", file=sys.stderr)
     table.place()
-    return results
-
-
-def thread_rows(table, calls: int, gen: torch.Generator, device) -> list[dict]:
-    """The eager operator (warm) with the machine's CPUs as threads and one
-    fewer, by turns: the caller's synchronize spins on a CPU of its own."""
-    import ple
-    import torch
-
-    cpus = os.cpu_count() or 1
-    counts = sorted({cpus, max(1, cpus - 1)}, reverse=True)
-    saved = table.config
-    results = []
-    configs = {f"threads={t}": ple.GatherConfig(threads=t) for t in counts}
-    for n in SIZES:
-        requests = [torch.randint(0, table.num_rows, (n,), generator=gen).to(device)
-                    for _ in range(calls)]
-
-        def configure(i, name):
-            table.config = configs[name]
-        arms = {name: (lambda i: torch.ops.ple.disk_gather(requests[i], table.handle, torch.bfloat16))
-                for name in configs}
-        results.append({"rows": n, **{f"{k}_us": v for k, v in by_turns(arms, calls, configure).items()}})
-    table.config = saved
     return results
 
 
@@ -342,7 +321,6 @@ def run(args: argparse.Namespace) -> tuple[int, dict | None]:
         floor_graph = capture(lambda: tiny.add_(1))
         machine["tiny_graph_us"] = median_us(lambda i: floor_graph.replay(), args.calls)
         read_whole_file(path)  # the cold pass emptied the page cache
-        threads = thread_rows(table, args.calls, gen, device)
         tiers = tier_rows(table, args.calls, gen, device)
 
         big = 256 << 20
@@ -353,14 +331,15 @@ def run(args: argparse.Namespace) -> tuple[int, dict | None]:
         machine["d2d_gbs"] = bandwidth_gbs(dev_a, dev_b)
         host.free()
 
-    report(machine, results, threads, tiers)
-    return 0, {"machine": machine, "cases": results, "threads": threads, "tiers": tiers}
+    report(machine, results, tiers)
+    return 0, {"machine": machine, "cases": results, "tiers": tiers}
 
 
-def report(machine: dict, results: list[dict], threads: list[dict], tiers: list[dict]) -> None:
+def report(machine: dict, results: list[dict], tiers: list[dict]) -> None:
     cols = ("eager_uva_us", "eager_copy_us", "graph_doorbell_us", "graph_host_func_us",
             "host_gather_us", "native_us", "h2d_us", "kernel_us", "baseline_us")
-    print(f"threads={machine['threads']}, graphs' host gather: {machine['graph_gather']}")
+    print(f"GatherConfig.threads={machine['threads']} (the CUDA operator's host gather runs on at "
+          f"most the CPUs less one), graphs' host gather: {machine['graph_gather']}")
     print(f"{'state':<5} {'rows':>6} " + " ".join(f"{c:>18}" for c in cols) + f" {'speedup':>8}")
     for r in results:
         best = min(r["eager_uva_us"], r["eager_copy_us"])
@@ -373,9 +352,6 @@ def report(machine: dict, results: list[dict], threads: list[dict], tiers: list[
     pauses = machine["doorbell_pauses"]
     print("doorbell graph, 16 warm rows, replayed after a pause: " + ", ".join(
         f"{key.removeprefix('after_').removesuffix('_us')} {us:.1f} us" for key, us in pauses.items()))
-    print("\neager, warm, median us by turns: " + "; ".join(
-        f"{r['rows']} rows " + ", ".join(f"{k.removesuffix('_us')} {v:.1f}" for k, v in r.items()
-                                         if k != "rows") for r in threads))
     print(f"\ntiers (warm, eager, median us): {'split':<7} {'device_rows':>12} {'host_rows':>12} "
           f"{'place_s':>8} " + " ".join(f"{n:>9}" for n in SIZES))
     for r in tiers:
