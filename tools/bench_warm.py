@@ -36,14 +36,15 @@ import tempfile
 import time
 from pathlib import Path
 
-from ple_tools.figures import add_json_option, run_recorded
-
 FLOOR_SOURCE = Path(__file__).resolve().with_name("floor_gather.cpp")
 FLOOR = "floor"
+CHILD = "--child"  # the first argument of ple's arm, run in a child process
 ROWS_PER_THREAD = 256  # the gather's kMinRowsPerThread (kernels/row_gather.cpp)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
+    from ple_tools.figures import add_json_option
+
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0],
         epilog=__doc__.split("\n\n", 2)[2],
@@ -69,7 +70,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--cxx", default=os.environ.get("CXX", "c++"),
                         help="the C++ compiler for the floor (default $CXX, else c++)")
     add_json_option(parser)
-    parser.add_argument("--child", help=argparse.SUPPRESS)
     return parser.parse_args(argv)
 
 
@@ -120,7 +120,7 @@ def run_floor(binary: Path, threads: int, row_bytes: int, rows: int, pairs: Path
 
 
 def run_ple(python: str, spec: dict) -> dict:
-    proc = subprocess.run([python, str(Path(__file__).resolve()), "--child", json.dumps(spec)],
+    proc = subprocess.run([python, str(Path(__file__).resolve()), CHILD, json.dumps(spec)],
                           capture_output=True, text=True)
     if proc.returncode != 0:
         raise RuntimeError(f"{python}: ple's arm failed:\n{proc.stderr[-3000:]}")
@@ -134,10 +134,15 @@ def summarize(turns: list[list[float]]) -> dict:
 
 
 def main(argv=None) -> int:
-    args = parse_args(argv)
-    if args.child:
-        child_main(json.loads(args.child))
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == [CHILD]:
+        # Runs under the interpreters of --python, whose ple_tools may be
+        # another build's: this path imports only what every build has.
+        child_main(json.loads(argv[1]))
         return 0
+    from ple_tools.figures import run_recorded
+
+    args = parse_args(argv)
     return run_recorded(args.json, "bench_warm", argv, lambda: run(args))
 
 
