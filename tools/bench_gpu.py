@@ -242,11 +242,11 @@ def run(args: argparse.Namespace) -> tuple[int, dict | None]:
     with ple.Table.from_safetensors(args.table, PREFIX) as table:
         (shard,) = shard_entries(table)
         path = shard.path
-        machine = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-                   "cpus": os.cpu_count(), "threads": table.config.threads,
+        # The CPUs, the GPU and torch: run_recorded records them.
+        machine = {"threads": table.config.threads,
                    "graph_gather": native.graph_gather_mechanism(), "table_rows": num_rows,
                    "row_bytes": ROW_BYTES}
-        print(f"{machine['device']}, torch {machine['torch']}; table {path} "
+        print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; table {path} "
               f"({num_rows:,} rows of {ROW_BYTES} B)", file=sys.stderr)
         fmt, scale = table.row_format, table.scale
         baseline = Baseline(path, shard.offset, num_rows, scale, device)
