@@ -95,7 +95,7 @@ py::dict choice_field(const char* name, const char* what, const Entry (&choices)
 
 // native.CONFIG_FIELDS: GatherConfig's fields in order, each a dict of its
 // name and default, and its choices and what they choose (policy, io) or
-// its unit, unit_bytes, least and most (the int fields).
+// its unit, unit_bytes, least, most and power_of_two (the int fields).
 py::tuple config_fields() {
   py::list fields;
   fields.append(choice_field("policy", "prefetch policy", ple::kPolicies));

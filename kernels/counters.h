@@ -39,7 +39,9 @@ namespace ple {
   X(direct_reads,                                                                               \
     "O_DIRECT reads of io=\"direct\" gathers (each a run of adjacent distinct blocks, at most "  \
     "64 KiB)")                                                                                  \
-  X(direct_read_bytes, "bytes those reads returned (whole blocks of table.io_block_bytes)")
+  X(direct_read_bytes,                                                                          \
+    "bytes those reads returned (whole blocks of table.io_block_bytes; a file's last read ends " \
+    "at its end)")
 
 struct GatherCounters {
 #define PLE_COUNTER_FIELD(name, meaning) std::atomic<uint64_t> name{0};

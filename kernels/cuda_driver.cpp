@@ -28,9 +28,8 @@ const Driver& driver() {
     Driver d;
     void* lib = ::dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
     if (lib == nullptr) {
-      const char* why = ::dlerror();
-      d.unusable = std::string("cannot load libcuda.so.1") +
-                   (why != nullptr ? std::string(": ") + why : std::string());
+      const char* why = ::dlerror();  // names the library
+      d.unusable = why != nullptr ? why : "cannot load libcuda.so.1";
       return d;
     }
     driver_pid.store(::getpid());

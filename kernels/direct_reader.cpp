@@ -8,13 +8,14 @@
 #include <cerrno>
 #include <cstring>
 #include <numeric>
+#include <stdexcept>
 
 #include "gather_config.h"
 #include "worker_pool.h"
 
 namespace ple {
 
-static_assert(kMaxIoBlockBytes == kMaxReadBytes, "a block is at most one read");
+static_assert(kMaxIoBlockBytes <= kMaxReadBytes, "a block fits in one read");
 
 namespace {
 
@@ -113,6 +114,8 @@ struct Plan {
         ++f;
         counted = false;
       }
+      // The walk goes forward through the files: it needs read_direct's order.
+      if (address < table_files[f].base) throw std::logic_error("read_direct: rows out of address order");
       const uint64_t offset = address - table_files[f].base;
       rows[j] = {f, offset, by_address[j].position};
 

@@ -52,13 +52,6 @@ class DirectFiles {
   uint64_t alignment_ = 0;
 };
 
-// A row of a request: its address in the table's mapping (which says the
-// file and the offset) and its place in the request.
-struct RowRef {
-  uintptr_t address;
-  int64_t position;  // index in the request
-};
-
 // A row placed in its file.
 struct PlacedRow {
   uint32_t file;
@@ -90,15 +83,14 @@ struct DirectCounters {
 };
 
 // Reads the `n` rows at `by_address` (sorted by address, then position) into
-// out + position * row_bytes,
-// in reads of whole `block`s (a power of two, from files.alignment() to
-// kMaxReadBytes), with the engines of `backend`, at most `depth` reads in
-// flight in all, spread over up to `threads` threads.  `id_at` gives the id
-// of a position, for errors.  `stop` can end it early (Interrupted; `out`
-// partly written).
+// out + position * row_bytes, in reads of whole `block`s (a power of two,
+// from files.alignment() to kMaxReadBytes), with the engines of `backend`,
+// at most `depth` reads in flight in all, spread over up to `threads`
+// threads.  `id_at` gives the id of a position, for errors.  `stop` can end
+// it early (Interrupted; `out` partly written).
 DirectCounters read_direct(const DirectFiles& files, uint64_t block, IoBackend backend, int depth,
                            int threads, int64_t row_bytes, const RowRef* by_address, size_t n,
-                           DirectScratch& scratch, uint8_t* out, const std::function<int64_t(int64_t)>& id_at,
-                           Interruption& stop);
+                           DirectScratch& scratch, uint8_t* out,
+                           const std::function<int64_t(int64_t)>& id_at, Interruption& stop);
 
 }  // namespace ple

@@ -52,14 +52,19 @@ class WordSlabs {
     if (next_ == kWordsPerSlab) {
       void* slab = ::mmap(nullptr, kSlabBytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
       if (slab == MAP_FAILED) throw std::bad_alloc();
-      page_lock(slab, kSlabBytes);
+      try {
+        page_lock(slab, kSlabBytes);
+      } catch (...) {
+        ::munmap(slab, kSlabBytes);
+        throw;
+      }
       slab_ = new (slab) DoorbellWords[kWordsPerSlab];
       next_ = 0;
     }
     return &slab_[next_++];
   }
 
-  // Words that no graph uses (the capture refused the doorbell), for a later take().
+  // Words that no graph uses (the capture failed), for a later take().
   void give_back(DoorbellWords* words) {
     std::lock_guard<std::mutex> lock(mutex_);
     returned_.push_back(words);
@@ -162,6 +167,8 @@ DoorbellThread& doorbell_thread() {
   return thread;
 }
 
+std::atomic<bool> refused{false};
+
 CUdeviceptr device_address(const std::atomic<uint32_t>& word) {
   CUdeviceptr address = 0;
   check(driver().mem_host_get_device_pointer(&address, const_cast<std::atomic<uint32_t>*>(&word), 0),
@@ -174,12 +181,21 @@ CUdeviceptr device_address(const std::atomic<uint32_t>& word) {
 bool enqueue_doorbell_gather(CUstream stream, const HostGatherJob& job) {
   const Driver& cuda = driver();
   auto doorbell = std::make_unique<DoorbellJob>(DoorbellJob{job, word_slabs().take()});
-  const CUdeviceptr ring = device_address(doorbell->words->ring);
-  const CUdeviceptr done = device_address(doorbell->words->done);
-  // The default write orders the ids' copy before the ring; a refusal of the
-  // first operation leaves the capture as it was, and the words unused.
-  if (cuda.stream_write_value32(stream, ring, 1, kWriteValueDefault) != 0) {
+  CUdeviceptr ring = 0, done = 0;
+  CUresult rung = 0;
+  try {
+    ring = device_address(doorbell->words->ring);
+    done = device_address(doorbell->words->done);
+    // The default write orders the ids' copy before the ring; a refusal of
+    // the first operation leaves the capture as it was, and the words unused.
+    rung = cuda.stream_write_value32(stream, ring, 1, kWriteValueDefault);
+  } catch (...) {
     word_slabs().give_back(doorbell->words);
+    throw;
+  }
+  if (rung != 0) {
+    word_slabs().give_back(doorbell->words);
+    refused.store(true);
     return false;
   }
   check(cuda.stream_wait_value32(stream, done, 1, kWaitValueEqual), "cuStreamWaitValue32");
@@ -187,5 +203,7 @@ bool enqueue_doorbell_gather(CUstream stream, const HostGatherJob& job) {
   doorbell_thread().watch(std::move(doorbell));
   return true;
 }
+
+bool doorbell_refused() { return refused.load(); }
 
 }  // namespace ple

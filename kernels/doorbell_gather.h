@@ -27,4 +27,9 @@ namespace ple {
 // host node).
 bool enqueue_doorbell_gather(CUstream stream, const HostGatherJob& job);
 
+// Whether the driver has refused a doorbell in this process: a device that
+// cannot use stream memory operations refuses every capture, so later
+// captures go straight to host nodes.
+bool doorbell_refused();
+
 }  // namespace ple

@@ -72,7 +72,7 @@ constexpr int64_t kMaxRowCacheMib = int64_t{1} << 40;
 constexpr int64_t kMaxIoQueueDepth = 1024;
 constexpr int64_t kDefaultIoQueueDepth = 64;
 // The largest block of a direct read: a read is at most 64 KiB (io_engines.h
-// kMaxReadBytes; direct_reader.cpp asserts that they agree).
+// kMaxReadBytes; direct_reader.cpp asserts that a block fits in a read).
 constexpr int64_t kMaxIoBlockBytes = 64 * 1024;
 // The units of the two sizes.
 constexpr int64_t kKiB = 1024, kMiB = 1024 * 1024;

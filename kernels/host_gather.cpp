@@ -4,8 +4,8 @@
 // cuLaunchHostFunc puts a C function into a stream: it runs after the work
 // enqueued before it and before the work enqueued after it.  Eager calls use
 // it; a captured gather rings a doorbell instead (doorbell_gather.h), and a
-// host node only where the driver lacks stream memory operations or
-// PLE_GRAPH_GATHER=host_func asks for it.
+// host node only where the driver lacks or refuses stream memory operations
+// or PLE_GRAPH_GATHER=host_func asks for it.
 //
 // A host gather must never throw into the driver: failures are written to
 // the job's status word (which the decode kernel reads) and kept, by table
@@ -80,12 +80,13 @@ HostGatherJob for_replays(HostGatherJob job) {
 
 bool doorbell_wanted() {
   const char* choice = std::getenv("PLE_GRAPH_GATHER");
-  return driver().has_stream_memory_ops() && (choice == nullptr || std::strcmp(choice, "host_func") != 0);
+  return driver().has_stream_memory_ops() && !doorbell_refused() &&
+         (choice == nullptr || std::strcmp(choice, "host_func") != 0);
 }
 
 // The most threads a host gather runs on: one CPU is left to the thread
-// that waits for the stream (a synchronize spins), which measured faster on
-// the H200 machine (docs/performance.md).
+// that waits for the stream, since a synchronize spins (a reason, not a
+// measurement: docs/performance.md says why the one made was biased).
 int64_t host_gather_threads() {
   static const int64_t threads = std::max(1, available_cpus() - 1);
   return threads;

@@ -729,23 +729,25 @@ bool address_order(const RowRef& a, const RowRef& b) {
 }
 
 // Sorts the rows that the copy in request order left (each part's rest)
-// into scratch.sorted by address, `total` of them, on one thread per part:
-// each part deals its rows into address buckets (a shift of the address, no
-// division); consecutive buckets form at most one range per part, and each
-// thread sorts the buckets of one range.  With about kRowsPerBucket rows in
-// a bucket the sorts are short.
+// into scratch.sorted by address and returns their count.  One thread per
+// part: each part deals its rows into address buckets (a shift of the
+// address, no division); consecutive buckets form at most one range per
+// part, and each thread sorts the buckets of one range.  With about
+// kRowsPerBucket rows in a bucket the sorts are short.
 constexpr int64_t kRowsPerBucket = 32;
 
-void sort_by_address(GatherScratch& scratch, int64_t total) {
+int64_t sort_by_address(GatherScratch& scratch) {
   const std::vector<Part>& parts = scratch.parts;
   const int count = static_cast<int>(parts.size());
+  int64_t total = 0;
+  for (const Part& part : parts) total += part.rest();
   const RowRef* rows = scratch.rows.data();
   RowRef* sorted = scratch.sorted.reserve(total);
   if (total < 4 * kRowsPerBucket) {
     RowRef* next = sorted;
     for (const Part& part : parts) next = std::copy(rows + part.rest_begin(), rows + part.end, next);
     std::sort(sorted, sorted + total, address_order);
-    return;
+    return total;
   }
   uintptr_t lo = UINTPTR_MAX, hi = 0;  // bounds of every disk-tier row: of the rest too
   for (const Part& part : parts) {
@@ -801,6 +803,7 @@ void sort_by_address(GatherScratch& scratch, int64_t total) {
       std::sort(range + bucket_start[b], end, address_order);
     }
   });
+  return total;
 }
 
 // Splits sorted rows into at most `chunks` chunks of similar size whose
@@ -847,10 +850,8 @@ void copy_in_request_order(MappedTable& table, const GatherConfig& config, Gathe
 // split among up to `threads` threads, with the policy's advice.
 void copy_sorted(MappedTable& table, const GatherConfig& config, int64_t threads,
                  GatherScratch& scratch, uint8_t* out, Interruption& stop) {
-  int64_t total = 0;
-  for (const Part& part : scratch.parts) total += part.rest();
+  const int64_t total = sort_by_address(scratch);
   if (total == 0) return;
-  sort_by_address(scratch, total);
   stop.check();
   const int64_t row_bytes = table.row_bytes();
   const RowRef* sorted = scratch.sorted.data();
@@ -914,8 +915,7 @@ void add_counters(GatherCounters& counters, const CopyCounters& r) {
 DirectCounters read_from_files(MappedTable& table, const GatherConfig& config,
                                GatherScratch& scratch, const void* ids, bool ids_are_int64,
                                uint8_t* out, Interruption& stop) {
-  const int64_t total = disk_rows(scratch);
-  sort_by_address(scratch, total);
+  const int64_t total = sort_by_address(scratch);
   const DirectFiles& files = table.direct_files();
   return read_direct(files, files.block(config.io_block_bytes), table.io_backend(),
                      config.io_queue_depth, config.threads, table.row_bytes(),

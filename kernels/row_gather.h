@@ -15,6 +15,13 @@ namespace ple {
 
 class MappedTable;
 
+// A row of a request: its address in the table's mapping (which says the
+// file and the offset) and its place in the request.
+struct RowRef {
+  uintptr_t address;
+  int64_t position;  // index in the request
+};
+
 // What a gather keeps from one call to the next (its row list, sort buffers,
 // page marks): defined in row_gather.cpp.
 struct GatherScratch;

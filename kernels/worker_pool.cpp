@@ -2,6 +2,7 @@
 
 #include <pthread.h>
 #include <sched.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
@@ -208,7 +209,10 @@ void run_parallel(int count, const std::function<void(int)>& task,
 
 int available_cpus() {
   cpu_set_t set;
-  if (::sched_getaffinity(0, sizeof(set), &set) != 0) return 1;
+  // A fixed cpu_set_t holds 1024 CPUs: a larger host's mask does not fit.
+  if (::sched_getaffinity(0, sizeof(set), &set) != 0) {
+    return static_cast<int>(std::max(1L, ::sysconf(_SC_NPROCESSORS_ONLN)));
+  }
   return CPU_COUNT(&set);
 }
 

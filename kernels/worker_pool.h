@@ -21,8 +21,8 @@ namespace ple {
 void run_parallel(int count, const std::function<void(int)>& task,
                   const std::function<void()>& idle = {});
 
-// The CPUs this process may run on (its affinity mask), which is what the
-// pool sizes itself by.
+// The CPUs the calling thread may run on (its affinity mask; the online
+// CPUs where the mask cannot be read), which is what the pool sizes itself by.
 int available_cpus();
 
 // Tells the core that this thread spins, and lets its sibling run.

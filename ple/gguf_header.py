@@ -102,11 +102,11 @@ class _Walk:
         return int.from_bytes(self.take(SCALAR_BYTES[kind]), "little",
                               signed=kind in SIGNED_INTEGERS)
 
-    def value(self, kind: int) -> bytes | None:
-        """Skips a value of type ``kind``; returns the bytes of a scalar."""
+    def skip(self, kind: int) -> None:
+        """Skips a value of type ``kind``."""
         if kind in SCALAR_BYTES:
-            return self.take(SCALAR_BYTES[kind])
-        if kind == STRING:
+            self.take(SCALAR_BYTES[kind])
+        elif kind == STRING:
             self.take(self.number(8))
         elif kind == ARRAY:
             item, count = self.array_head()
@@ -114,10 +114,9 @@ class _Walk:
                 self.take(count * SCALAR_BYTES[item])
             else:
                 for _ in range(count):
-                    self.value(item)
+                    self.skip(item)
         else:
             raise self.bad(f"unknown value type {kind}")
-        return None
 
 
 def _walk_header(path: Path, header: bytes, wanted: frozenset[str]
@@ -157,7 +156,7 @@ def _walk_header(path: Path, header: bytes, wanted: frozenset[str]
                 raise walk.bad(f"general.alignment is of value type {kind}, not UINT32 "
                                f"({UINT32})", at)
         elif key not in wanted:
-            walk.value(kind)
+            walk.skip(kind)
             continue
         # Read once, for the alignment, for the caller, or for both: the
         # alignment is applied whether or not the caller also asks for it.

@@ -101,7 +101,12 @@ def close_while_threads_gather(table: ple.Table, reference: np.ndarray, threads:
             except ValueError as error:  # closed: the handle is gone
                 outcomes.append(str(error))
                 return
-            assert np.array_equal(rows.numpy(), reference[ids.numpy()])
+            except Exception as error:  # noqa: BLE001 (reported by the assertion below)
+                outcomes.append(repr(error))
+                return
+            if not np.array_equal(rows.numpy(), reference[ids.numpy()]):
+                outcomes.append("wrong bytes")
+                return
         outcomes.append("finished")
 
     workers = [threading.Thread(target=gather_until_closed, args=(k,)) for k in range(threads)]
@@ -110,9 +115,11 @@ def close_while_threads_gather(table: ple.Table, reference: np.ndarray, threads:
     start.set()
     table.close()
     for worker in workers:
-        worker.join()
+        worker.join(timeout=120)
+    assert not any(worker.is_alive() for worker in workers), "a gather did not end after close()"
     assert len(outcomes) == threads
-    assert all(o == "finished" or f"handle {handle}" in o for o in outcomes), outcomes
+    assert all(o == "finished" or (f"handle {handle}" in o and "closed" in o)
+               for o in outcomes), outcomes
 
 
 def tensor_offsets(path: Path) -> dict[str, int]:
@@ -172,13 +179,24 @@ def write_byte_table(paths: list[Path], shard_rows: list[int], row_bytes: int, *
                      np.array(row_offset, dtype=np.int64))
 
 
-def write_sharded_table(directory: Path, shard_rows: tuple[int, ...], row_bytes: int) -> ByteTable:
+def write_sharded_table(directory: Path, shard_rows: tuple[int, ...], row_bytes: int, *,
+                        seed: int | None = None, config=None) -> ByteTable:
     """The shard family ``t.shard_{i}.weight`` of ``shard_rows`` rows of
-    ``row_bytes`` random bytes (seeded with ``row_bytes``): even shards in
-    ``directory``/a.safetensors, odd ones in b.safetensors, behind pads of 13
-    and 1001 bytes, so that rows straddle pages, shards and files."""
+    ``row_bytes`` random bytes (seeded with ``seed``, else ``row_bytes``):
+    even shards in ``directory``/a.safetensors, odd ones in b.safetensors,
+    behind pads of 13 and 1001 bytes, so that rows straddle pages, shards and
+    files."""
     return write_byte_table([directory / "a.safetensors", directory / "b.safetensors"],
-                            list(shard_rows), row_bytes, seed=row_bytes, pads=(13, 1001))
+                            list(shard_rows), row_bytes, seed=row_bytes if seed is None else seed,
+                            pads=(13, 1001), config=config)
+
+
+def write_random_rows(path: Path, rows: int = 50_000, row_bytes: int = 160) -> np.ndarray:
+    """A table ``t`` of ``rows`` rows of ``row_bytes`` random bytes (seed 0)
+    at ``path``; returns its rows."""
+    reference = np.random.default_rng(0).integers(0, 256, (rows, row_bytes), dtype=np.uint8)
+    save_file({"t": torch.from_numpy(reference)}, str(path))
+    return reference
 
 
 def write_arange_table(path: Path, rows: int, cols: int, name: str = "t") -> Path:

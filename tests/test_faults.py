@@ -12,22 +12,17 @@ import torch
 from safetensors.torch import save_file
 
 import ple
-from helpers import close_while_threads_gather
+from helpers import close_while_threads_gather, write_random_rows
 
 ROWS, ROW_BYTES = 50_000, 160
 
-
-def write_table(path):
-    reference = np.random.default_rng(0).integers(0, 256, (ROWS, ROW_BYTES), dtype=np.uint8)
-    save_file({"t": torch.from_numpy(reference)}, str(path))
-    return reference
 
 
 @pytest.mark.parametrize("policy", ple.POLICIES)
 @pytest.mark.parametrize("threads", [1, 2])
 def test_truncated_file_raises_and_the_rest_still_works(tmp_path, policy, threads):
     path = tmp_path / "t.safetensors"
-    reference = write_table(path)
+    reference = write_random_rows(path, ROWS, ROW_BYTES)
     with ple.Table.from_safetensors(path, config=ple.GatherConfig(policy, 4096, threads)) as table:
         table.drop_page_cache()
         os.truncate(path, os.path.getsize(path) // 2)
@@ -43,7 +38,7 @@ def test_truncated_file_raises_and_the_rest_still_works(tmp_path, policy, thread
 
 def test_a_file_replaced_or_deleted_while_open_serves_its_old_bytes(tmp_path):
     path = tmp_path / "t.safetensors"
-    reference = write_table(path)
+    reference = write_random_rows(path, ROWS, ROW_BYTES)
     ids = torch.arange(0, ROWS, 97)
     with ple.Table.from_safetensors(path) as table:
         other = tmp_path / "other.safetensors"
@@ -56,14 +51,14 @@ def test_a_file_replaced_or_deleted_while_open_serves_its_old_bytes(tmp_path):
 
 def test_closing_while_other_threads_gather(tmp_path):
     path = tmp_path / "t.safetensors"
-    reference = write_table(path)
+    reference = write_random_rows(path, ROWS, ROW_BYTES)
     close_while_threads_gather(ple.Table.from_safetensors(path), reference)
 
 
 @pytest.mark.parametrize("faulthandler", [False, True])
 def test_a_sigbus_that_is_not_from_a_gather_still_kills(tmp_path, faulthandler):
     path = tmp_path / "t.safetensors"
-    write_table(path)
+    write_random_rows(path, ROWS, ROW_BYTES)
     script = (
         "import os, signal, sys, torch, ple\n"
         f"t = ple.Table.from_safetensors({str(path)!r})\n"

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import ByteTable, run_threads, write_byte_table
+from helpers import ByteTable, run_threads, write_byte_table, write_sharded_table
 from ple import GatherConfig
 from ple.config import POLICIES
 
@@ -41,9 +41,8 @@ def _sharded_fixture(directory: Path, row_bytes: int, seed: int) -> ByteTable:
     """Shard family ``t.shard_{0,1,2}.weight`` of 97, 97, 77 rows: shards 0
     and 2 in a.safetensors, shard 1 in b.safetensors, each file also holding a
     small 1-D tensor that shifts the shards off page alignment."""
-    fx = write_byte_table([directory / "a.safetensors", directory / "b.safetensors"],
-                          list(SHARD_ROWS), row_bytes, seed=seed, pads=(13, 1001),
-                          config=GatherConfig(threads=1))
+    fx = write_sharded_table(directory, SHARD_ROWS, row_bytes, seed=seed,
+                             config=GatherConfig(threads=1))
     assert fx.table.num_rows == NUM_ROWS and fx.table.row_bytes == row_bytes
     return fx
 

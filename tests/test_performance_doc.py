@@ -4,7 +4,9 @@ tools/figures.py renders them (the page is kept current from the tools'
 
 from __future__ import annotations
 
+import argparse
 import json
+from pathlib import Path
 
 from ple_tools import figures
 
@@ -26,13 +28,15 @@ def test_run_recorded_keeps_the_report_and_results(tmp_path, capsys):
         print("arm  ms/call\nnone  1.5")
         return 3, [{"arm": "none", "ms": 1.5}]
 
-    assert figures.run_recorded(path, "demo", ["--mib", "4", "--json", str(path)], run) == 3
+    args = argparse.Namespace(mib=4, table=Path("data/t"), json=path)
+    assert figures.run_recorded(args, "demo", ["--mib", "4", "--json", str(path)], run) == 3
     assert capsys.readouterr().out == "arm  ms/call\nnone  1.5\n"  # still printed
     document = json.loads(path.read_text())
     assert document["command"] == "python tools/demo.py --mib 4"
     assert document["report"] == "arm  ms/call\nnone  1.5\n"
     assert document["results"] == [{"arm": "none", "ms": 1.5}]
     assert "CPUs" in document["machine"]
+    assert document["settings"] == {"mib": 4, "table": "data/t"}
 
 
 def test_a_stale_block_is_rewritten(tmp_path):

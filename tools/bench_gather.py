@@ -118,9 +118,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="io_queue_depth of direct-depth:N arms, comma separated "
                              "(default none)")
     parser.add_argument("--no-direct", dest="direct", action="store_false",
-                        help="leave out the direct and direct-cache arms")
+                        help="leave out every direct arm (direct, direct-cache, direct-block, "
+                             "direct-depth)")
     parser.add_argument("--io-queue-depth", type=int, metavar="N",
-                        help="GatherConfig.io_queue_depth of the direct arms (default: its default)")
+                        help="GatherConfig.io_queue_depth of the direct arms other than "
+                             "direct-depth:N (default: its default)")
     parser.add_argument("--cpu-load", type=int, default=0, metavar="N",
                         help="run N busy processes (Python loops) for the arms' duration "
                         "(default 0)")
@@ -282,7 +284,7 @@ def main(argv=None) -> int:
     if args.child:
         child_main(args.child)
         return 0
-    return run_recorded(args.json, "bench_gather", argv, lambda: run(args))
+    return run_recorded(args, "bench_gather", argv, lambda: run(args))
 
 
 def run(args: argparse.Namespace) -> tuple[int, dict | None]:
@@ -304,15 +306,21 @@ def run(args: argparse.Namespace) -> tuple[int, dict | None]:
     from ple_tools import report
     from ple_tools.cpu_load import BusyProcesses
     from ple_tools.demo import make_requests
-    from ple_tools.gather_arms import new_pages_per_call
+    from ple_tools.gather_arms import arm_config, new_pages_per_call
     from ple_tools.make_table import PREFIX, ensure_table
     from ple_tools.table_layout import Layout
 
+    gathering = arm_list(args)
+    for arm in gathering:  # a config GatherConfig refuses fails now, not after the other arms
+        try:
+            arm_config(arm, args.threads, args.io_queue_depth)
+        except ValueError as error:
+            print(f"bench_gather: arm {arm}: {error}", file=sys.stderr)
+            return 2, None
     num_rows = int(args.table_gib * 2**30) // args.row_bytes
     ensure_table(args.table, rows=num_rows, row_bytes=args.row_bytes)
     layout = Layout.open(args.table, PREFIX)
     requests = make_requests(num_rows, args.calls, args.rows, args.seed)
-    gathering = arm_list(args)
     ceilings = [f"ceiling:{int(d)}" for d in (args.ceiling or "").split(",") if d.strip()]
     plan = [(arm, "cold") for arm in gathering + ceilings]
     if args.prime:
@@ -371,7 +379,7 @@ def run(args: argparse.Namespace) -> tuple[int, dict | None]:
     found = report.ratios(results)
     report.print_ratios(found)
 
-    # The command, the machine (CPUs, torch, kernel) and the date: run_recorded records them.
+    # The command, its settings, the machine and the date: run_recorded records them.
     document = {"setup": setup,
                 "table": {"num_rows": layout.num_rows, "row_bytes": args.row_bytes,
                           "files": [str(p) for p in layout.paths],

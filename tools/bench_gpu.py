@@ -45,9 +45,10 @@ def median_us(fn, calls: int, before=None) -> float:
 def by_turns(arms: dict, calls: int, before=None, sync=None) -> dict[str, float]:
     """Median wall time (us) of each arm's fn(i) and a device synchronize,
     the arms taking turns call by call, so that the machine's drift falls on
-    all of them alike.  The arm that goes first rotates from call to call:
-    arms given the same ids gather rows that the arm before them left in the
-    CPU's caches.  before(i, arm), untimed, runs ahead of every call.
+    all of them alike, and the arm that goes first rotates from call to
+    call.  (Arms given the same ids would find rows that the arm before them
+    left in the CPU's caches: give each its own.)  before(i, arm), untimed,
+    runs ahead of every call.
     ``sync``: waits for the device (default torch.cuda.synchronize)."""
     import torch
 
@@ -219,7 +220,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    return run_recorded(args.json, "bench_gpu", argv, lambda: run(args))
+    return run_recorded(args, "bench_gpu", argv, lambda: run(args))
 
 
 def run(args: argparse.Namespace) -> tuple[int, dict | None]:
@@ -242,7 +243,7 @@ def run(args: argparse.Namespace) -> tuple[int, dict | None]:
     with ple.Table.from_safetensors(args.table, PREFIX) as table:
         (shard,) = shard_entries(table)
         path = shard.path
-        # The CPUs, the GPU and torch: run_recorded records them.
+        # The CPUs, the GPU, torch and the settings: run_recorded records them.
         machine = {"threads": table.config.threads,
                    "graph_gather": native.graph_gather_mechanism(), "table_rows": num_rows,
                    "row_bytes": ROW_BYTES}
@@ -276,8 +277,13 @@ def run(args: argparse.Namespace) -> tuple[int, dict | None]:
                     None if mechanism == "doorbell" else mechanism)
                     for mechanism in ("doorbell", "host_func")}
 
+                # Each graph its own ids: the same ids right after the other
+                # graph's would find their rows in the CPU's caches.
+                graph_requests = {name: [torch.randint(0, num_rows, (n,), generator=gen).to(device)
+                                         for _ in range(calls)] for name in graphs}
+
                 def set_ids(i, name):
-                    static_ids.copy_(cuda_requests[i])
+                    static_ids.copy_(graph_requests[name][i])
                     if drop is not None:
                         drop(i)
                 replays = by_turns({name: (lambda i, g=g: g.replay()) for name, g in graphs.items()},

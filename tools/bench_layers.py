@@ -91,7 +91,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    return run_recorded(args.json, "bench_layers", argv, lambda: run(args))
+    return run_recorded(args, "bench_layers", argv, lambda: run(args))
 
 
 def run(args: argparse.Namespace) -> tuple[int, list[dict]]:

@@ -35,10 +35,10 @@ cache of B holds about 1.45 million rows; the first 300 calls ask for
 247,000 distinct ids, the first 3,000 for 1.53 million: after 300 the row
 cache is a sixth full and its misses are ids never seen before, which every
 design reads, while after 3,000 it is full, as a server's is after its
-first minutes.  The next --calls are measured: time per call, bytes read from the disk per call (/proc/self/io
-read_bytes of the child), CPU time per call, the row cache's hit rate and
-(mmap arms) the share of pages the page cache held.  The page cache of the
-table is dropped before each arm.  Ratios of the mmap arm's figures over
+first minutes.  The next --calls are measured: time per call, bytes read
+from the disk per call (/proc/self/io read_bytes of the child), CPU time
+per call, the row cache's hit rate and (mmap arms) the share of pages the
+page cache held.  The page cache of the table is dropped before each arm.  Ratios of the mmap arm's figures over
 the other arms' follow; the tool judges none of them.
 
 Where this process cannot create a memory cgroup (no root, a read-only
@@ -302,7 +302,7 @@ def main(argv=None) -> int:
     if args.child:
         child_main(args.child)
         return 0
-    return run_recorded(args.json, "bench_serving", argv, lambda: run(args))
+    return run_recorded(args, "bench_serving", argv, lambda: run(args))
 
 
 def run(args: argparse.Namespace) -> tuple[int, dict]:

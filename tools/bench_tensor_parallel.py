@@ -85,7 +85,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     if args.rank is not None:
         return run_rank(args)
-    return run_recorded(args.json, "bench_tensor_parallel", argv, lambda: launch(args))
+    return run_recorded(args, "bench_tensor_parallel", argv, lambda: launch(args))
 
 
 def launch(args: argparse.Namespace) -> tuple[int, dict | None]:
@@ -168,14 +168,17 @@ def run_rank(args: argparse.Namespace) -> int:
         generator = torch.Generator().manual_seed(0)  # the same ids on every rank
         cases = []
         for rows in SIZES:
-            requests = [torch.randint(0, tables["disk"].num_embeddings, (rows,),
-                                      generator=generator).to(device) for _ in range(args.calls)]
+            # Each arm its own ids (by_turns), the same on every rank.
+            requests = {arm: [torch.randint(0, tables["disk"].num_embeddings, (rows,),
+                                            generator=generator).to(device)
+                              for _ in range(args.calls)] for arm in ARMS}
             # Warmed up (kernels, staging, the communicator) and checked: both
             # tables give the same rows.
-            if not torch.equal(*(tables[arm](requests[0]) for arm in ARMS)):
+            first = requests[ARMS[0]][0]
+            if not torch.equal(*(tables[arm](first) for arm in ARMS)):
                 raise AssertionError("the tiered table's rows differ from the disk-only table's")
-            medians = by_turns({arm: (lambda i, t=tables[arm]: t(requests[i])) for arm in ARMS},
-                               args.calls, barrier, sync)
+            medians = by_turns({arm: (lambda i, t=tables[arm], r=requests[arm]: t(r[i]))
+                                for arm in ARMS}, args.calls, barrier, sync)
             cases.append({"rows": rows, **{f"{arm}_us": medians[arm] for arm in ARMS}})
         figures = {"rank": args.rank, "device": str(device), "served_rows": [start, stop],
                    "device_rows": device_rows, "host_rows": host_rows, "cases": cases}

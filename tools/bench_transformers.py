@@ -387,7 +387,7 @@ def main(argv=None) -> int:
     if args.child:
         print(json.dumps(run_arm(json.loads(args.child))))
         return 0
-    return run_recorded(args.json, "bench_transformers", argv, lambda: run(args, parser))
+    return run_recorded(args, "bench_transformers", argv, lambda: run(args, parser))
 
 
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[int, dict]:

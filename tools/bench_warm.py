@@ -143,7 +143,7 @@ def main(argv=None) -> int:
     from ple_tools.figures import run_recorded
 
     args = parse_args(argv)
-    return run_recorded(args.json, "bench_warm", argv, lambda: run(args))
+    return run_recorded(args, "bench_warm", argv, lambda: run(args))
 
 
 def run(args: argparse.Namespace) -> tuple[int, list[dict]]:

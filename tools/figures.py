@@ -81,13 +81,15 @@ def add_json_option(parser: argparse.ArgumentParser) -> None:
                         help="also write the run as a JSON document (tools/figures.py)")
 
 
-def run_recorded(path: Path | None, tool: str, argv: list[str] | None,
+def run_recorded(args: argparse.Namespace, tool: str, argv: list[str] | None,
                  run: Callable[[], tuple[int, object]]) -> int:
     """Calls ``run()``, which prints its report and returns (exit status,
-    results as data); with a ``path``, the printed report is kept as well
-    and the document written there.  ``tool``: the tool's file name in
-    tools/ (``bench_gpu``); ``argv``: its arguments (None: sys.argv's).
-    Returns the status."""
+    results as data); with ``args.json``, the printed report is kept as well
+    and the document written there, with every option's value as parsed
+    (``settings``: the defaults too, which the command line leaves out).
+    ``tool``: the tool's file name in tools/ (``bench_gpu``); ``argv``: its
+    arguments (None: sys.argv's).  Returns the status."""
+    path = args.json
     if path is None:
         return run()[0]
     kept = io.StringIO()
@@ -96,9 +98,12 @@ def run_recorded(path: Path | None, tool: str, argv: list[str] | None,
     arguments = sys.argv[1:] if argv is None else argv
     document = {"command": shlex.join(["python", f"tools/{tool}.py", *without_json(arguments)]),
                 "machine": machine(), "date": datetime.date.today().isoformat(),
+                "settings": {name: value for name, value in vars(args).items()
+                             if name not in ("json", "child")},
                 "report": kept.getvalue(), "results": results}
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(document, indent=1) + "\n")
+    # default=str: paths among the settings
+    path.write_text(json.dumps(document, indent=1, default=str) + "\n")
     return status
 
 
