@@ -11,15 +11,17 @@ from safetensors import safe_open
 from ple.config import GatherConfig
 from ple.formats import OUTPUT_DTYPES
 from ple.gguf_header import read_gguf_header
-from ple.safetensors_tables import PathsLike, read_checkpoint_entries
+from ple.safetensors_tables import (PathsLike, find_table, missing_table, read_entries,
+                                    resolve_paths)
 from ple.table import Table
 
 from .ngram_ids import NGramConstants, NGramHashing, decoder_layer
 from .parallel import PlacesServedRows, RowSplit, gather, prefetch, served_rows
 
 # The reference checkpoint's table, and where transformers' save_pretrained
-# puts the table of decoder layer {layer}; the layer's constants are buffers
-# next to it.
+# puts the table of decoder layer {layer} (a published multimodal checkpoint
+# under model.language_model.layers: ple.safetensors_tables.layout_names); the
+# layer's constants are buffers next to it.
 REFERENCE_TABLE = "ngram_embedding"
 TRANSFORMERS_TABLE = "model.layers.{layer}.ple.ple_embedding.ngram_embedding"
 CONSTANT_BUFFERS = ("layer_multipliers", "ngram_heads_vocab_sizes", "ngram_heads_offsets")
@@ -81,20 +83,25 @@ class NGramEmbedding(PlacesServedRows, torch.nn.Module):
         ``ngram_heads_vocab_sizes`` and ``ngram_heads_offsets`` next to the
         table (as transformers saves them), replace the derived ones.
         ``tensor`` defaults to transformers' name for PLE layer
-        ``ple_layer_index`` when ``model_config`` is given and the checkpoint
-        has it, else to ``ngram_embedding``.  ``config`` is the table's
+        ``ple_layer_index`` when ``model_config`` is given (a text config, or
+        a multimodal one whose ``text_config`` is used) and the checkpoint
+        has it, else to ``ngram_embedding``.  A name ``model.x`` is found as
+        ``model.language_model.x`` too (the published multimodal layout), and
+        the other way round.  ``config`` is the table's
         :class:`ple.GatherConfig`.
         """
-        entries = read_checkpoint_entries(checkpoint)
+        files = resolve_paths(checkpoint)
+        entries = read_entries(files)
+        tried = [tensor] if tensor is not None else [REFERENCE_TABLE]
+        if tensor is None and model_config is not None:
+            named = TRANSFORMERS_TABLE.format(layer=decoder_layer(model_config, ple_layer_index))
+            tried = [named, f"{named}.weight", REFERENCE_TABLE]
+        tensor = next((found for name in tried if (found := find_table(entries, name))), None)
         if tensor is None:
-            tensor = REFERENCE_TABLE
-            if model_config is not None:
-                named = TRANSFORMERS_TABLE.format(layer=decoder_layer(model_config, ple_layer_index))
-                if f"{named}.shard_0.weight" in entries or f"{named}.weight" in entries:
-                    tensor = named
+            raise missing_table(entries, files, *tried)
         constants = _safetensors_constants(entries, tensor)
         hashing = _hashing(model_config, ple_layer_index, constants, hashing_args)
-        return cls._opened(Table.from_safetensors(checkpoint, tensor, config), hashing, dtype,
+        return cls._opened(Table.from_safetensors(files, tensor, config), hashing, dtype,
                            process_group)
 
     @classmethod
@@ -177,8 +184,9 @@ def _hashing(model_config, ple_layer_index: int, constants: NGramConstants, hash
 
 
 def _safetensors_constants(entries, table: str) -> NGramConstants:
-    """The buffers transformers saves beside the table ``<parent>.ngram_embedding``."""
-    parent = table.rpartition(".")[0]
+    """The buffers transformers saves beside the table ``<parent>.ngram_embedding``
+    (a shard family, or one tensor ``<parent>.ngram_embedding.weight``)."""
+    parent = table.removesuffix(".weight").rpartition(".")[0]
     found = {}
     for buffer in CONSTANT_BUFFERS:
         entry = entries.get(f"{parent}.{buffer}" if parent else buffer)

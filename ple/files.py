@@ -6,12 +6,29 @@ character device such as ``/dev/zero`` reads without end; a socket cannot be
 opened; a block device has no size that ``fstat`` reports, so it could not be
 mapped.  Every reader of table files in ple goes through :func:`open_regular`,
 which refuses all of these with a ``ValueError`` naming the path, before the
-file is opened for reading."""
+file is opened for reading.  An empty path is refused too: ``Path("")`` is
+the working directory, which a caller who passed an unset variable did not
+mean."""
 
 from __future__ import annotations
 
 import os
 import stat
+import sys
+from pathlib import Path
+
+# Run from a folder that holds a clone of ple named "ple", Python imports the
+# clone's top folder as a namespace package in place of the installed ple:
+# ple/__init__.py never runs, so torch.ops.ple is never registered, and the
+# modules that import this one are still found.  Here is the first place of
+# ple's own code that such an import reaches.
+_package = sys.modules.get(__package__)
+if _package is not None and getattr(_package, "__file__", None) is None:
+    raise ImportError(
+        f"'{__package__}' was imported as a namespace package from "
+        f"{', '.join(_package.__path__)}: a folder named '{__package__}' there (a clone of the ple "
+        "repository?) hides the installed ple, whose operators are then never registered; run "
+        "Python from another folder")
 
 KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
          (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
@@ -26,11 +43,19 @@ def _refuse(path, mode: int) -> ValueError:
                       "tensors only from regular files")
 
 
+def nonempty_path(path: str | os.PathLike) -> Path:
+    """``path`` as a ``Path``; a ``ValueError`` when it is empty."""
+    if not os.fspath(path):
+        raise ValueError("an empty path names no table file (it would be the working directory); "
+                         "give a file or a directory")
+    return Path(path)
+
+
 def check_regular_file(path: str | os.PathLike) -> None:
     """Raises ``ValueError`` naming ``path`` when it is not a regular file (a
-    symlink counts as what it points to), and ``OSError`` when it cannot be
-    stat'ed (``FileNotFoundError`` when missing).  Opens nothing."""
-    mode = os.stat(path).st_mode
+    symlink counts as what it points to) or is empty, and ``OSError`` when it
+    cannot be stat'ed (``FileNotFoundError`` when missing).  Opens nothing."""
+    mode = os.stat(nonempty_path(path)).st_mode
     if not stat.S_ISREG(mode):
         raise _refuse(path, mode)
 

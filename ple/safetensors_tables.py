@@ -5,7 +5,9 @@ scale tensor's few bytes) are read; ``Table.from_safetensors`` opens what
 
 from __future__ import annotations
 
+import difflib
 import errno
+import logging
 import os
 import re
 from collections.abc import Iterable
@@ -15,7 +17,7 @@ from typing import Union
 
 import torch
 
-from .files import open_regular_binary
+from .files import nonempty_path, open_regular_binary
 from .formats import BY_SAFETENSORS_DTYPE, RowFormat, check_row_bytes
 from .safetensors_header import TensorEntry, read_header
 
@@ -27,6 +29,15 @@ PathsLike = Union[str, os.PathLike, Iterable[Union[str, os.PathLike]]]
 # zeros matches, to be refused by shard_families.
 SHARD_NAME = re.compile(r"^(?P<prefix>.+)\.shard_(?P<index>[0-9]+)\.weight$")
 SCALE_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+# transformers' text models name their tensors ``model.<rest>``; the
+# multimodal checkpoints they are published in (Gemma 3n, Qwen3.8-Flash-Next)
+# ``model.language_model.<rest>``.  transformers maps one to the other on
+# loading, and ple takes either name for either layout.
+TEXT_PREFIX, PUBLISHED_PREFIX = "model.", "model.language_model."
+# How many of the nearest names an error about a missing name shows.
+CLOSEST_SHOWN = 5
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -47,7 +58,7 @@ def resolve_paths(paths: PathsLike) -> list[Path]:
     items = [paths] if isinstance(paths, (str, os.PathLike)) else list(paths)
     files: list[Path] = []
     for item in items:
-        path = Path(item)
+        path = nonempty_path(item)
         if path.is_dir():
             found = sorted(path.glob("*.safetensors"))
             if not found:
@@ -60,6 +71,57 @@ def resolve_paths(paths: PathsLike) -> list[Path]:
     if not files:
         raise ValueError("no table files given")
     return files
+
+
+def describe_files(files: list[Path]) -> str:
+    """``files`` for a message: the one file, else how many and where; never
+    every path (a published checkpoint has a hundred files and more)."""
+    if len(files) == 1:
+        return str(files[0])
+    parents = {path.parent for path in files}
+    return (f"{len(files)} safetensors files in {parents.pop()}" if len(parents) == 1
+            else f"{len(files)} safetensors files ({files[0]}, ...)")
+
+
+def layout_names(name: str) -> list[str]:
+    """``name`` as a text checkpoint and as a published multimodal one name
+    it, ``name`` first (``model.x`` and ``model.language_model.x``)."""
+    if name.startswith(PUBLISHED_PREFIX):
+        return [name, TEXT_PREFIX + name.removeprefix(PUBLISHED_PREFIX)]
+    if name.startswith(TEXT_PREFIX):
+        return [name, PUBLISHED_PREFIX + name.removeprefix(TEXT_PREFIX)]
+    return [name]
+
+
+def find_table(entries: dict[str, TensorEntry], name: str) -> str | None:
+    """The name under which ``entries`` hold the tensor or shard family
+    ``name`` (see :func:`layout_names`), or None."""
+    families = {match["prefix"] for key in entries if (match := SHARD_NAME.match(key))}
+    return next((candidate for candidate in layout_names(name)
+                 if candidate in entries or candidate in families), None)
+
+
+def missing_table(entries: dict[str, TensorEntry], files: list[Path], *names: str) -> ValueError:
+    """The error for tables ``names`` (any of them would have done) that
+    ``entries`` (of ``files``) lack: the names tried, the nearest tensor
+    names and shard families to the first by spelling, and how many tensors
+    were searched."""
+    candidates = {_candidate(key) for key in entries}
+    closest = difflib.get_close_matches(names[0], candidates, n=CLOSEST_SHOWN, cutoff=0)
+    tried = " or ".join(repr(n) for name in names for n in layout_names(name))
+    return ValueError(f"{describe_files(files)}: no tensor or shard family named {tried}; the "
+                      f"closest of their {len(entries)} tensors: {closest}")
+
+
+def _candidate(key: str) -> str:
+    """A tensor as the name of a table: its own, or its shard family's ``<prefix>.shard_*``."""
+    shard = SHARD_NAME.match(key)
+    return f"{shard['prefix']}.shard_*" if shard else key
+
+
+def _shown(values: list, limit: int = 20) -> list:
+    """``values`` for a message: the first ``limit``, then "..."."""
+    return values if len(values) <= limit else [*values[:limit], "..."]
 
 
 def read_entries(files: list[Path]) -> dict[str, TensorEntry]:
@@ -102,15 +164,21 @@ def shard_families(entries: dict[str, TensorEntry]) -> dict[str, dict[int, Tenso
 
 def _choose(entries, families, tensor, files) -> tuple[str, list[TensorEntry], str]:
     """The chosen table: its name, its shards in row order, its scale tensor's name."""
-    where = ", ".join(str(f) for f in files)
+    where = describe_files(files)
     if tensor is None:
         in_family = {e.name for family in families.values() for e in family.values()}
         candidates = [f"{p}.shard_*" for p in sorted(families)] + sorted(
             name for name, e in entries.items() if len(e.shape) == 2 and name not in in_family)
         if len(candidates) != 1:
-            raise ValueError(f"{where}: {len(candidates)} candidate tables {candidates}; "
+            raise ValueError(f"{where}: {len(candidates)} candidate tables {_shown(candidates)}; "
                              "pass tensor= to choose one")
         tensor = candidates[0].removesuffix(".shard_*")
+    found = find_table(entries, tensor)
+    if found is None:
+        raise missing_table(entries, files, tensor)
+    if found != tensor:
+        logger.info("ple: %r is %r in %s", tensor, found, where)
+        tensor = found
     if tensor in families and tensor in entries:
         raise ValueError(f"{where}: {tensor!r} names both a tensor and a shard family")
     if tensor in families:
@@ -118,16 +186,15 @@ def _choose(entries, families, tensor, files) -> tuple[str, list[TensorEntry], s
         indices = sorted(family)
         missing = next((i for i, index in enumerate(indices) if index != i), None)
         if missing is not None:
-            shown = indices if len(indices) <= 20 else [*indices[:20], "..."]
+            before = (f"; shard {missing - 1} is in {family[missing - 1].path}" if missing
+                      else "")
             raise ValueError(f"{where}: shard gap in {tensor!r}: shard {missing} is missing "
-                             f"(found shards {shown})")
+                             f"(found shards {_shown(indices)}{before})")
         return tensor, [family[i] for i in range(len(family))], f"{tensor}.weight_scale"
-    if tensor in entries:
-        # One shard of a family is scaled by the family's scale.
-        shard = SHARD_NAME.match(tensor)
-        return tensor, [entries[tensor]], (f"{shard['prefix']}.weight_scale" if shard
-                                           else f"{tensor}_scale")
-    raise ValueError(f"{where}: no tensor or shard family named {tensor!r}")
+    # One shard of a family is scaled by the family's scale.
+    shard = SHARD_NAME.match(tensor)
+    return tensor, [entries[tensor]], (f"{shard['prefix']}.weight_scale" if shard
+                                       else f"{tensor}_scale")
 
 
 def _check_shards(name: str, shards: list[TensorEntry]) -> None:
