@@ -1,7 +1,8 @@
 """``torch.ops.ple.disk_gather`` and ``torch.ops.ple.disk_gather_bytes``.
 
-Both take ids of any shape and a table handle (``ple.Table.handle``) and
-return new tensors ``[*ids.shape, ...]``; the CPU kernels run the native
+Both take ids of any shape and a table handle (``ple.Table.handle``: a str
+that names the table and its files' identity, so that a graph or program
+holding it reaches that table in any process, or raises) and return new tensors ``[*ids.shape, ...]``; the CPU kernels run the native
 windowed gather, ``disk_gather`` then decodes the rows.  ``disk_gather`` also
 has a CUDA kernel (disk_gather_cuda.py); ``disk_gather_bytes`` is CPU only.
 """
@@ -15,11 +16,11 @@ from ple.kernels.decode import decode_rows
 from ple.table import Table, table_for_handle
 
 _lib = torch.library.Library("ple", "DEF")
-_lib.define("disk_gather_bytes(Tensor ids, int table) -> Tensor")
-_lib.define("disk_gather(Tensor ids, int table, ScalarType? dtype=None) -> Tensor")
+_lib.define("disk_gather_bytes(Tensor ids, str table) -> Tensor")
+_lib.define("disk_gather(Tensor ids, str table, ScalarType? dtype=None) -> Tensor")
 
 
-def _checked(ids: torch.Tensor, handle: int, dtype: torch.dtype | None = None
+def _checked(ids: torch.Tensor, handle: str, dtype: torch.dtype | None = None
              ) -> tuple[Table, torch.dtype]:
     table = table_for_handle(handle)
     if ids.dtype not in (torch.int32, torch.int64):
@@ -41,19 +42,19 @@ def gather(table: Table, ids, dtype: torch.dtype | None = None) -> torch.Tensor:
 
 
 @torch.library.impl(_lib, "disk_gather_bytes", "CPU")
-def _disk_gather_bytes_cpu(ids: torch.Tensor, table: int) -> torch.Tensor:
+def _disk_gather_bytes_cpu(ids: torch.Tensor, table: str) -> torch.Tensor:
     checked, _ = _checked(ids, table)
     return checked.gather_bytes(ids)
 
 
 @torch.library.impl(_lib, "disk_gather", "CPU")
-def _disk_gather_cpu(ids: torch.Tensor, table: int, dtype: torch.dtype | None = None) -> torch.Tensor:
+def _disk_gather_cpu(ids: torch.Tensor, table: str, dtype: torch.dtype | None = None) -> torch.Tensor:
     checked, dtype = _checked(ids, table, dtype)
     return decode_rows(checked.gather_bytes(ids), checked.row_format, checked.scale, dtype)
 
 
 @torch.library.impl(_lib, "disk_gather", "CUDA")
-def _disk_gather_cuda(ids: torch.Tensor, table: int, dtype: torch.dtype | None = None) -> torch.Tensor:
+def _disk_gather_cuda(ids: torch.Tensor, table: str, dtype: torch.dtype | None = None) -> torch.Tensor:
     from .disk_gather_cuda import disk_gather_cuda  # needs triton, which only CUDA calls need
 
     checked, dtype = _checked(ids, table, dtype)
@@ -61,12 +62,12 @@ def _disk_gather_cuda(ids: torch.Tensor, table: int, dtype: torch.dtype | None =
 
 
 @torch.library.register_fake("ple::disk_gather_bytes", lib=_lib)
-def _disk_gather_bytes_fake(ids: torch.Tensor, table: int) -> torch.Tensor:
+def _disk_gather_bytes_fake(ids: torch.Tensor, table: str) -> torch.Tensor:
     checked, _ = _checked(ids, table)
     return ids.new_empty((*ids.shape, checked.row_bytes), dtype=torch.uint8)
 
 
 @torch.library.register_fake("ple::disk_gather", lib=_lib)
-def _disk_gather_fake(ids: torch.Tensor, table: int, dtype: torch.dtype | None = None) -> torch.Tensor:
+def _disk_gather_fake(ids: torch.Tensor, table: str, dtype: torch.dtype | None = None) -> torch.Tensor:
     checked, dtype = _checked(ids, table, dtype)
     return ids.new_empty((*ids.shape, checked.cols), dtype=dtype)

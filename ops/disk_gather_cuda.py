@@ -23,6 +23,7 @@ from ple.kernels.decode_gguf_triton import decode_blocks_triton
 from ple.kernels.decode_triton import decode_rows_triton
 from ple.kernels.native import native
 from ple.table import Table
+from ple.tiers import Tiers
 
 # Staged bytes up to this size are read by the kernel straight from pinned
 # memory; larger requests are copied to the device first (the faster of the
@@ -31,22 +32,33 @@ UVA_MAX_BYTES = 1 << 20
 
 
 def disk_gather_cuda(table: Table, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    handle, tiers = table.acquire()
+    try:
+        return _gather(table, handle, tiers, ids, dtype)
+    finally:
+        table.release(tiers)
+
+
+def _gather(table: Table, handle: int, tiers: Tiers | None, ids: torch.Tensor,
+            dtype: torch.dtype) -> torch.Tensor:
+    """disk_gather_cuda with the table's native handle and one snapshot of its tiers."""
     stream = torch.cuda.current_stream(ids.device)
     staging = table.staging_for(stream)
-    _raise_earlier_error(table, staging, stream)
+    _raise_earlier_error(table, handle, staging, stream)
     out = torch.empty((*ids.shape, table.cols), dtype=dtype, device=ids.device)
     n = ids.numel()
     if n == 0:
         return out
     capturing = torch.cuda.is_current_stream_capturing()
-    tiers = table.tiers
+    resident_range = (0, 0)
     if tiers is not None:
         tiers.check_device(ids.device, table.name)
-    on_disk = tiers is None or tiers.resident_range != (0, table.num_rows)
+        resident_range = tiers.resident_range
+    on_disk = resident_range != (0, table.num_rows)
 
     rows = status = None
     if on_disk:
-        rows, status = staging.gather(table.handle, ids, table.resident_range, capturing)
+        rows, status = staging.gather(handle, ids, resident_range, capturing)
         if rows.numel() > UVA_MAX_BYTES:
             rows = rows.to(ids.device, non_blocking=True)
     with torch.cuda.device(ids.device):
@@ -60,10 +72,10 @@ def disk_gather_cuda(table: Table, ids: torch.Tensor, dtype: torch.dtype) -> tor
     return out
 
 
-def _raise_earlier_error(table: Table, staging, stream: torch.cuda.Stream) -> None:
+def _raise_earlier_error(table: Table, handle: int, staging, stream: torch.cuda.Stream) -> None:
     """A host function cannot raise: the failure of an earlier call on this
     stream, whose output was NaN, is raised by the next call."""
-    error = native.take_host_error(table.handle, stream.cuda_stream)
+    error = native.take_host_error(handle, stream.cuda_stream)
     if not error and staging.take_bad_id_flag():
         error = f"an id was out of range [0, {table.num_rows})"
     if error:

@@ -76,7 +76,7 @@ class StreamStaging:
         if capturing:  # only ids and rows are ever replaced (and retired)
             self.ids.captured = self.rows.captured = True
 
-    def gather(self, table_handle: int, ids: torch.Tensor, resident_range: tuple[int, int],
+    def gather(self, native_handle: int, ids: torch.Tensor, resident_range: tuple[int, int],
                capturing: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """Enqueues on this stream the gather of ``ids`` (CUDA, any shape):
         the ids are copied into the pinned ids buffer, then the native gather
@@ -88,7 +88,7 @@ class StreamStaging:
         self.reserve(n, capturing)
         staged_ids = self.ids.bytes[: 8 * n].view(torch.int64)
         staged_ids.copy_(ids.reshape(-1).to(torch.int64), non_blocking=True)
-        native.launch_host_gather(self.stream.cuda_stream, table_handle, staged_ids.data_ptr(), n,
+        native.launch_host_gather(self.stream.cuda_stream, native_handle, staged_ids.data_ptr(), n,
                                   *resident_range, self.rows.bytes.data_ptr(),
                                   self.status.bytes.data_ptr(), capturing)
         rows = self.rows.bytes[: n * self.row_bytes].view(n, self.row_bytes)

@@ -5,8 +5,11 @@ Which table of a set of safetensors files is opened: safetensors_tables.py."""
 
 from __future__ import annotations
 
+import hashlib
 import os
+import sys
 import threading
+import warnings
 import weakref
 from collections.abc import Callable
 from pathlib import Path
@@ -28,34 +31,115 @@ from .staging import StreamStaging
 from .tiers import Tiers
 
 # Open tables by handle, for the operators; a table that is dropped closes.
-_open_tables: "weakref.WeakValueDictionary[int, Table]" = weakref.WeakValueDictionary()
+_open_tables: "weakref.WeakValueDictionary[str, Table]" = weakref.WeakValueDictionary()
+_registry_lock = threading.Lock()
 # What tables closed in a forked child held of their parent's CUDA state (pinned
 # buffers, streams, tiers): the child can neither use nor free it, so it stays.
 _left_to_the_parent: list = []
-# The names of the last tables opened, by handle (handles are never reused), so
-# that a call with the handle of a closed table can say which table it was.
-_names_by_handle: dict[int, str] = {}
+# The handles of the last tables closed, so that a call with the handle of a
+# closed table says it is closed rather than unknown.
+_closed_handles: dict[str, str] = {}
 MAX_NAMES_KEPT = 4096
 COMPILED_HINT = ("a table must stay open while code that gathers from it runs, compiled code "
                  "and captured CUDA graphs included")
+ELSEWHERE_HINT = ("a handle names a table by its tensor and its files' identity (device, inode, "
+                  "size, modification time), so that a program saved, exported, traced, cached "
+                  "or sent to another process reaches the same table or none: open that table in "
+                  "this process before running the program, or make the program again where the "
+                  "files have changed")
+# Hex digits of a handle's digest of the table's files and layout.
+DIGEST_CHARS = 16
 
 
-def table_for_handle(handle: int) -> "Table":
-    """The open table of ``handle`` (the operators' way to it); a ValueError
-    naming the table when it was closed."""
+def table_for_handle(handle: str) -> "Table":
+    """The open table of ``handle`` (the operators' way to it): the table it
+    was taken from or, where that one was closed or lives in another process,
+    a table open here on the same files with the same layout (the same bytes).
+    A ValueError naming the table and the cause otherwise."""
     table = _open_tables.get(handle)
-    if table is None:
-        name = _names_by_handle.get(handle)
-        if name is not None:
-            raise ValueError(f"ple table {name!r} (handle {handle}) is closed: {COMPILED_HINT}")
-        raise ValueError(f"no open ple table has handle {handle} (closed, or never opened)")
+    if table is not None:
+        return table
+    if not isinstance(handle, str):
+        raise TypeError(f"ple: a table handle is a str (ple.Table.handle), not "
+                        f"{type(handle).__name__} {handle!r}")
+    name, same_files = _split_handle(handle)
+    with _registry_lock:
+        open_now = list(_open_tables.values())
+    for table in open_now:
+        if table._same_files == same_files:
+            return table
+    if handle in _closed_handles:
+        raise ValueError(f"ple table {name!r} (handle {handle}) is closed: {COMPILED_HINT}")
+    others = [t.handle for t in open_now if t.name == name]
+    if others:
+        raise ValueError(f"ple table {name!r} (handle {handle}) is not open in this process; "
+                         f"the table of that name open here, {others[0]}, is another one (other "
+                         f"files, or files that changed): {ELSEWHERE_HINT}")
+    raise ValueError(f"ple table {name!r} (handle {handle}) is not open in this process: "
+                     f"{ELSEWHERE_HINT}")
+
+
+def _split_handle(handle: str) -> tuple[str, str]:
+    """A handle's table name, and the part that every table opened on the same
+    files with the same layout shares (the handle without its "#n")."""
+    name, _, digest = handle.rpartition("@")
+    return name, f"{name}@{digest[:DIGEST_CHARS]}"
+
+
+def _files_digest(paths: list[Path], layout: tuple) -> str:
+    """What the handles of tables on these files with this layout share: a
+    digest of the files' identities and of the layout."""
+    identities = []
+    for path in paths:
+        st = os.stat(path)
+        identities.append((st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns))
+    digest = hashlib.blake2b(repr((identities, layout)).encode(), digest_size=DIGEST_CHARS // 2)
+    return digest.hexdigest()
+
+
+def _register(table: "Table", same_files: str) -> str:
+    """Registers an open table; its handle is ``same_files``, with "#n" for
+    the n-th table open on them (a copy, say) so that each has its own."""
+    with _registry_lock:
+        handle, n = same_files, 1
+        while handle in _open_tables:
+            n += 1
+            handle = f"{same_files}#{n}"
+        _open_tables[handle] = table
+        _closed_handles.pop(handle, None)
+    return handle
+
+
+def _forget(handle: str, name: str) -> None:
+    with _registry_lock:
+        _open_tables.pop(handle, None)
+        _closed_handles[handle] = name
+        while len(_closed_handles) > MAX_NAMES_KEPT:
+            del _closed_handles[next(iter(_closed_handles))]  # the oldest
+
+
+def _reopen(opened_from: tuple, layout: tuple, config: "GatherConfig", placement) -> "Table":
+    """A pickled table, opened again on the files it was opened from, with
+    its config and, where this process can hold them, its tiers."""
+    kind, paths, name, scale = opened_from
+    if kind == "gguf":
+        table = Table.from_gguf(paths[0], name, config)
+    else:
+        table = Table.from_safetensors(paths, name, config, scale=scale)
+    if table._layout != layout:
+        table.close()
+        raise ValueError(f"ple table {name!r} cannot be opened again as it was pickled: "
+                         f"{', '.join(map(str, paths))} now hold it with another layout (shards, "
+                         f"offsets, format, scale); the files changed since")
+    if placement is not None:
+        device_rows, host_rows, device, first_row = placement
+        if device_rows and not torch.cuda.is_available():
+            warnings.warn(f"ple table {name!r} was pickled with {device_rows} rows in a device "
+                          f"tier on {device}, and this process has no CUDA device: they are read "
+                          f"from the files", stacklevel=2)
+            device_rows, device = 0, None
+        table.place(device_rows, host_rows, device, first_row=first_row)
     return table
-
-
-def _remember_name(handle: int, name: str) -> None:
-    _names_by_handle[handle] = name
-    while len(_names_by_handle) > MAX_NAMES_KEPT:
-        del _names_by_handle[next(iter(_names_by_handle))]  # the oldest
 
 
 class Table:
@@ -79,9 +163,13 @@ class Table:
         shard_rows: the rows of each shard, in row order (one entry for a
             single tensor).
         paths: the files the shards are in, each once, in shard order.
-        handle: the int the operators take (``torch.ops.ple.disk_gather(ids,
-            table.handle)``): an int, so that compiled code and captured
-            CUDA graphs can hold it; a ValueError once the table is closed.
+        handle: the str the operators take (``torch.ops.ple.disk_gather(ids,
+            table.handle)``): the table's name and a digest of its files'
+            identity and its layout, so that compiled code, captured CUDA
+            graphs and programs saved or sent elsewhere hold the table itself,
+            not a slot of this process (``"<name>@<digest>"``, with ``"#n"``
+            for the n-th table open here on the same files); a ValueError once
+            the table is closed.
         dtype: what ``disk_gather`` returns when no dtype is asked for.
         config: the ``ple.GatherConfig`` of its gathers; assign a new one to
             change them from the next call.
@@ -101,9 +189,10 @@ class Table:
     COUNTERS = COUNTERS
 
     def __init__(self, name: str, shards: list[TensorEntry], fmt: RowFormat, scale: float,
-                 config: GatherConfig):
+                 config: GatherConfig, opened_from: tuple):
         """Maps ``shards`` (checked by the caller) as one table; use
-        :meth:`from_safetensors` or :meth:`from_gguf`, which choose them."""
+        :meth:`from_safetensors` or :meth:`from_gguf`, which choose them.
+        ``opened_from``: how to open it again (``_reopen``)."""
         self.name = name
         self.format = fmt.name
         self.row_format = fmt
@@ -114,17 +203,29 @@ class Table:
         self.shard_rows = [s.shape[0] for s in shards]
         self.paths = list(dict.fromkeys(s.path for s in shards))
         file_index = {path: i for i, path in enumerate(self.paths)}
+        self._opened_from = opened_from
+        self._layout = (name, fmt.name, scale, self.cols,
+                        [(file_index[s.path], s.offset, s.shape[0]) for s in shards],
+                        [os.path.getsize(p) for p in self.paths])
         self._staging: dict[tuple[int, int], StreamStaging] = {}
         self.tiers: Tiers | None = None
         # Tiers replaced while a CUDA graph still reads them: freed at close.
         self._retired_tiers: list[Tiers] = []
-        self._handle = native.open_table(
+        # Guards the open state, the tiers and the count of calls using them.
+        self._state_lock = threading.Lock()
+        self._calls = 0
+        self._closing = False
+        self._same_files = f"{name}@{_files_digest(self.paths, self._layout)}"
+        self._native = native.open_table(
             [str(p) for p in self.paths], [file_index[s.path] for s in shards],
             [s.offset for s in shards], self.shard_rows, self.row_bytes)
+        try:
+            self._push_config(config)
+        except BaseException:
+            native.close_table(self._native)
+            raise
         self._config = config
-        self._push_config(config)
-        _open_tables[self._handle] = self
-        _remember_name(self._handle, name)
+        self._handle = _register(self, self._same_files)
 
     @classmethod
     def from_safetensors(cls, paths: PathsLike, tensor: str | None = None,
@@ -139,8 +240,11 @@ class Table:
         ``<prefix>.weight_scale`` / ``<tensor>_scale`` tensor.
         """
         chosen = select_table(paths, tensor, scale)
+        files = [str(p) for p in dict.fromkeys(s.path for s in chosen.shards)]
         return cls(chosen.name, chosen.shards, chosen.row_format, chosen.scale,
-                   config or GatherConfig())
+                   config or GatherConfig(),
+                   ("safetensors", files, chosen.name,
+                    chosen.scale if chosen.row_format.scaled else None))
 
     @classmethod
     def from_gguf(cls, path: str | os.PathLike, tensor: str,
@@ -175,16 +279,51 @@ class Table:
             raise ValueError(f"{path}: tensor {tensor!r}: a row of {cols} values is not a whole "
                              f"number of {entry.dtype} blocks of {fmt.block_size}")
         check_row_bytes(f"{path}: tensor {tensor!r}", fmt.row_bytes(cols))  # only with no rows
-        return cls(tensor, [entry], fmt, 1.0, config or GatherConfig())
+        return cls(tensor, [entry], fmt, 1.0, config or GatherConfig(),
+                   ("gguf", [str(path)], tensor, None))
 
     @property
-    def handle(self) -> int:
-        """The int the operators take; a ValueError once the table is closed."""
-        if self._handle is None:
+    def handle(self) -> str:
+        """The str the operators take; a ValueError once the table is closed."""
+        if self._closing:
             # Under torch.compile(fullgraph=True) dynamo reports this as an
             # "Observed exception" (Unsupported) that quotes this message.
             raise ValueError(f"ple table {self.name!r} is closed: {COMPILED_HINT}")
         return self._handle
+
+    def acquire(self) -> tuple[int, Tiers | None]:
+        """Starts a call that reads the table: its native handle and one
+        snapshot of its tiers, which stay in memory (a ``place`` or ``close``
+        meanwhile included) until :meth:`release` of the same tiers.  The
+        operators bracket every gather with the two."""
+        with self._state_lock:
+            if self._closing:
+                raise ValueError(f"ple table {self.name!r} (handle {self._handle}) is closed: "
+                                 f"{COMPILED_HINT}")
+            self._calls += 1
+            tiers = self.tiers
+            if tiers is not None:
+                tiers.calls += 1
+            return self._native, tiers
+
+    def release(self, tiers: Tiers | None) -> None:
+        """Ends a call that :meth:`acquire` started; the last call out frees
+        what a ``place`` or ``close`` left to it."""
+        free = False
+        with self._state_lock:
+            self._calls -= 1
+            if tiers is not None:
+                tiers.calls -= 1
+                if tiers.retired and tiers.calls == 0:
+                    if tiers.captured:  # by a capture that began before the place
+                        self._retired_tiers.append(tiers)
+                    else:
+                        free = True
+            finish_close = self._closing and self._calls == 0 and self._native is not None
+        if free:
+            self._free_tiers(tiers)
+        if finish_close:
+            self._finish_close()
 
     @property
     def dtype(self) -> torch.dtype:
@@ -207,27 +346,34 @@ class Table:
         self._config = config  # only once the native side took it
 
     def _push_config(self, c: GatherConfig) -> None:
-        native.configure(self.handle, *c._native_args())
+        native.configure(self._native_handle(), *c._native_args())
+
+    def _native_handle(self) -> int:
+        """The native table's handle, for calls that neither read rows nor tiers."""
+        if self._closing:
+            raise ValueError(f"ple table {self.name!r} is closed: {COMPILED_HINT}")
+        return self._native
 
     @property
     def io_backend(self) -> str:
         """What reads rows from the files: "mmap", or with ``io="direct"``
         "io_uring", "aio" or "pread" (the first that this process may use,
         from the one the environment variable ``PLE_IO_BACKEND`` names)."""
-        return native.io_backend(self.handle)
+        return native.io_backend(self._native_handle())
 
     @property
     def io_block_bytes(self) -> int | None:
         """With ``io="direct"``, the bytes of the blocks its reads are made of
         (``config.io_block_bytes``, or the files' direct-I/O alignment where
         that is 0 or smaller); None with ``io="mmap"``."""
-        return native.io_block_bytes(self.handle) or None
+        return native.io_block_bytes(self._native_handle()) or None
 
     @property
     def resident_range(self) -> tuple[int, int]:
         """``(begin, end)``: rows ``[begin, end)`` are in the device and host
         tiers (``(0, 0)`` without tiers)."""
-        return self.tiers.resident_range if self.tiers is not None else (0, 0)
+        tiers = self.tiers
+        return tiers.resident_range if tiers is not None else (0, 0)
 
     def place(self, device_rows: int = 0, host_rows: int = 0, device=None,
               progress: Callable[[int, int], None] | bool | None = None, *,
@@ -259,27 +405,49 @@ class Table:
                 raise RuntimeError("ple: device_rows needs a CUDA device, and none is available")
             if device.index is None:
                 device = torch.device("cuda", torch.cuda.current_device())
-        self._retire_tiers()
+        new = None
         if device_rows or host_rows:
-            # Read past the row cache: these rows are about to be resident, and
-            # would only push rows the cache should serve out of it.
-            with rows_progress(progress, self.row_bytes, f"placing {self.name}") as report:
-                self.tiers = Tiers(lambda ids, out: native.read_for_tiers(self.handle, ids, out),
-                                   self.row_bytes, device_rows, host_rows,
-                                   device if device_rows else None, first_row, report)
+            handle, _ = self.acquire()
+            try:
+                # Read past the row cache: these rows are about to be resident, and
+                # would only push rows the cache should serve out of it.
+                with rows_progress(progress, self.row_bytes, f"placing {self.name}") as report:
+                    new = Tiers(lambda ids, out: native.read_for_tiers(handle, ids, out),
+                                self.row_bytes, device_rows, host_rows,
+                                device if device_rows else None, first_row, report)
+            finally:
+                self.release(None)
+        # Only once the new tiers are whole: a place that fails keeps the old ones.
+        with self._state_lock:
+            if self._closing:
+                closed = True
+            else:
+                closed, old, self.tiers = False, self.tiers, new
+        if closed:
+            if new is not None:
+                new.free()
+            raise ValueError(f"ple table {self.name!r} was closed while place() read its tiers")
+        self._retire(old)
 
-    def _retire_tiers(self) -> None:
-        """Drops the tiers: frees them, or keeps them until close when a CUDA
-        graph captured them."""
-        old, self.tiers = self.tiers, None
+    def _retire(self, old: Tiers | None) -> None:
+        """Drops tiers that ``self.tiers`` no longer holds: frees them now, or
+        leaves them to the last call that reads them, or keeps them until
+        close when a CUDA graph captured them."""
         if old is None:
             return
-        if old.captured:
-            self._retired_tiers.append(old)
-            return
-        for staging in self._staging.values():
+        with self._state_lock:
+            old.retired = True
+            if old.captured:
+                self._retired_tiers.append(old)
+                return
+            free = old.calls == 0
+        if free:
+            self._free_tiers(old)
+
+    def _free_tiers(self, tiers: Tiers) -> None:
+        for staging in list(self._staging.values()):
             staging.stream.synchronize()
-        old.free()
+        tiers.free()
 
     def gather_bytes(self, ids, out: torch.Tensor | None = None) -> torch.Tensor:
         """The raw rows ``ids`` as uint8 ``[*ids.shape, row_bytes]``, written
@@ -301,9 +469,15 @@ class Table:
             raise ValueError(f"ple: out must be a contiguous CPU uint8 tensor of shape "
                              f"{list(shape)}, not {out.dtype} {list(out.shape)} on {out.device}")
         flat = ids.reshape(-1).contiguous()
-        native.gather(self.handle, flat, out, *self.resident_range)
-        if self.tiers is not None:
-            self.tiers.fill_cpu(flat, out.view(-1, self.row_bytes))
+        handle, tiers = self.acquire()
+        try:
+            if tiers is None:
+                native.gather(handle, flat, out, 0, 0)
+            else:
+                native.gather(handle, flat, out, *tiers.resident_range)
+                tiers.fill_cpu(flat, out.view(-1, self.row_bytes))
+        finally:
+            self.release(tiers)
         return out
 
     def prefetch(self, ids) -> None:
@@ -316,8 +490,12 @@ class Table:
         if ids.dtype not in (torch.int32, torch.int64) or ids.device.type != "cpu":
             raise TypeError(f"ple: prefetch takes int32 or int64 ids on the CPU, not {ids.dtype} "
                             f"on {ids.device}")
-        native.prefetch(self.handle, ids.reshape(-1).to(torch.int64).contiguous(),
-                        *self.resident_range)
+        handle, tiers = self.acquire()
+        try:
+            native.prefetch(handle, ids.reshape(-1).to(torch.int64).contiguous(),
+                            *(tiers.resident_range if tiers is not None else (0, 0)))
+        finally:
+            self.release(tiers)
 
     def staging_for(self, stream: torch.cuda.Stream) -> StreamStaging:
         """The pinned buffers of this table on a CUDA stream."""
@@ -339,52 +517,73 @@ class Table:
         opened or ``reset_stats()``: the keys of ``ple.COUNTERS``, in its
         order (which says what each counts).  Reading them waits for the CUDA
         gathers already enqueued (their tier counters live on the GPU)."""
-        values = dict(native.stats(self.handle))
-        hits = (0, 0) if self.tiers is None else self.tiers.hits()
+        values = dict(native.stats(self._native_handle()))
+        tiers = self.tiers
+        hits = (0, 0) if tiers is None else tiers.hits()
         values["device_tier_hits"], values["host_tier_hits"] = hits
         return {name: values[name] for name in COUNTERS}
 
     def reset_stats(self) -> None:
         """Sets every counter of :meth:`stats` to 0."""
-        native.reset_stats(self.handle)
-        if self.tiers is not None:
-            self.tiers.reset_hits()
+        native.reset_stats(self._native_handle())
+        tiers = self.tiers
+        if tiers is not None:
+            tiers.reset_hits()
 
     def drop_page_cache(self) -> None:
         """Evicts this table's pages from the page cache (for cold benchmarks);
         pages that another process or table maps stay."""
-        native.drop_page_cache(self.handle)
+        native.drop_page_cache(self._native_handle())
 
     def close(self) -> None:
-        """Unmaps the files; a gather in progress on another thread finishes
-        first, a prefetch in progress is stopped.  Waits for the CUDA streams
-        this table staged rows on, then frees its pinned buffers: a CUDA
+        """Unmaps the files once the calls reading the table are done (each
+        gives its rows; a call that starts after this raises a ValueError), a
+        prefetch in progress is stopped.  Waits for the CUDA streams this
+        table staged rows on, then frees its pinned buffers and tiers: a CUDA
         graph that gathers from this table must not be replayed after it is
-        closed.  Closing again does nothing; a close while another thread's
-        runs waits for it.  In a child forked from a process that used CUDA,
-        the parent's CUDA buffers and tiers are left as they are (the child
-        cannot free them)."""
-        # One lock per table, however many threads come here first.
-        with self.__dict__.setdefault("_close_lock", threading.Lock()):
-            handle = self._handle
-            if handle is None:
+        closed.  Closing again does nothing.  In a child forked from a
+        process that used CUDA, the parent's CUDA buffers and tiers are left
+        as they are (the child cannot free them)."""
+        with self._state_lock:
+            if self._closing:
                 return
-            if native.forked_after_cuda() or getattr(torch.cuda, "_is_in_bad_fork", bool)():
-                _left_to_the_parent.append((dict(self._staging), self.tiers,
-                                            list(self._retired_tiers)))
-            else:
-                for staging in self._staging.values():
-                    staging.stream.synchronize()
-                    staging.free()
-                for tiers in (self.tiers, *self._retired_tiers):
-                    if tiers is not None:
-                        tiers.free()
-            self._staging.clear()
-            self.tiers = None
-            self._retired_tiers = []
-            _open_tables.pop(handle, None)
-            native.close_table(handle)  # without the GIL: it waits for the prefetch thread
-            self._handle = None
+            self._closing = True
+            finish = self._calls == 0
+        _forget(self._handle, self.name)
+        if finish:
+            self._finish_close()
+
+    def _finish_close(self) -> None:
+        """close's work, by close or by the last call that was reading the table."""
+        with self._state_lock:
+            handle, self._native = self._native, None
+            tiers, self.tiers = self.tiers, None
+            retired, self._retired_tiers = self._retired_tiers, []
+        if handle is None:
+            return
+        if native.forked_after_cuda() or getattr(torch.cuda, "_is_in_bad_fork", bool)():
+            _left_to_the_parent.append((dict(self._staging), tiers, retired))
+        else:
+            for staging in self._staging.values():
+                staging.stream.synchronize()
+                staging.free()
+            for kept in (tiers, *retired):
+                if kept is not None:
+                    kept.free()
+        self._staging.clear()
+        native.close_table(handle)  # without the GIL: it waits for the prefetch thread
+
+    def __reduce__(self):
+        """Pickling (``torch.save``, ``copy.deepcopy``, a spawned worker) keeps
+        how to open the table again on the same files, with its config and
+        tiers; the copy is a table of its own (closing one leaves the other)."""
+        if self._closing:
+            raise ValueError(f"ple table {self.name!r} is closed: it cannot be pickled or copied")
+        tiers = self.tiers
+        placement = None if tiers is None else (
+            tiers.device_rows, tiers.host_rows,
+            None if tiers.device is None else str(tiers.device), tiers.first_row)
+        return _reopen, (self._opened_from, self._layout, self._config, placement)
 
     def __enter__(self) -> "Table":
         return self
@@ -393,11 +592,16 @@ class Table:
         self.close()
 
     def __del__(self):
-        # At interpreter exit the native module may already be gone.
-        if getattr(self, "_handle", None) is not None and native is not None and threading is not None:
-            self.close()
+        # At interpreter exit the modules close uses may be gone already, and
+        # the process's end unmaps the files anyway.
+        try:
+            if sys.is_finalizing() or not hasattr(self, "_handle"):
+                return
+        except (AttributeError, TypeError):
+            return
+        self.close()
 
     def __repr__(self) -> str:
-        state = "closed" if self._handle is None else f"handle={self._handle}"
+        state = "closed" if self._closing else f"handle={self._handle!r}"
         return (f"ple.Table({self.name!r}, {self.num_rows} rows x {self.cols} {self.format}, "
                 f"{len(self.shard_rows)} shard(s), scale={self.scale}, {state})")

@@ -37,6 +37,8 @@ class Tiers:
         row_bytes: bytes of a row.
         captured: whether a CUDA graph reads the tiers (then they live until
             the table closes).
+        calls, retired: the gathers reading the tiers now, and whether a
+            ``place`` or ``close`` replaced them (``Table.acquire``).
     """
 
     def __init__(self, read_rows: Callable[[torch.Tensor, torch.Tensor], None], row_bytes: int,
@@ -61,6 +63,10 @@ class Tiers:
             for in_use in {device, torch.device("cuda", torch.cuda.current_device())} - {None}:
                 self.hits_on(in_use)
         self.captured = False  # a CUDA graph reads the tiers: they live until the table closes
+        # Kept by the table under its lock: the calls reading these tiers now,
+        # and whether the table still serves from them.
+        self.calls = 0
+        self.retired = False
         try:
             self._load(read_rows, progress)
         except BaseException:
