@@ -363,3 +363,30 @@ def run_ranks(script: Path, args: list[str], world_size: int, timeout_s: float, 
                         for rank in range(world_size)], timeout_s, logs, env)
     if not run.ok:
         pytest.fail(run.describe(), pytrace=False)
+
+
+def directory_bytes(directory: Path) -> dict[str, bytes | None]:
+    """Everything under ``directory`` by relative path: a file's bytes, None
+    for a directory; to check that a tool left it as it was."""
+    return {str(p.relative_to(directory)): p.read_bytes() if p.is_file() else None
+            for p in sorted(directory.rglob("*"))}
+
+
+def save_a_model(directory: Path) -> None:
+    """``model.safetensors`` as transformers' save_pretrained names it, and
+    a note beside it: what a user's directory may hold."""
+    directory.mkdir(parents=True, exist_ok=True)
+    save_file({"lm_head.weight": torch.arange(12, dtype=torch.float32).reshape(3, 4)},
+              str(directory / "model.safetensors"))
+    (directory / "notes.txt").write_text("my fine-tuned model\n")
+
+
+def foreign_files_message(directory: Path, names: list[str], marker: str = "layout.json") -> str:
+    """The error ple_tools.written gives for a directory holding ``names``
+    (sorted; at most three named)."""
+    shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+    one = len(names) == 1
+    return (f"{directory} holds {len(names)} file{'' if one else 's'} that ple did not write "
+            f"({shown}); ple writes its files only into a missing or empty directory, or one "
+            f"holding files it wrote there itself (listed in its {marker}), and deletes nothing "
+            f"else: name another directory, or move {'that file' if one else 'those files'} out")

@@ -1,11 +1,21 @@
 """tools/make_table.ensure_table (ple_tools.make_table) reuses a table only
-when it was written, to the end, with the same arguments, and says so;
-write_table shows a progress bar when asked."""
+when it was written, to the end, with the same arguments, and says so; it
+deletes only the files its layout.json lists and refuses, before deleting
+or writing anything, a directory that holds any other (the table tools'
+command lines say so and exit 2); write_table shows a progress bar when
+asked."""
+
+import json
+import subprocess
+import sys
 
 import pytest
+import safetensors.torch
 
 import ple
 import ple_tools.make_table
+from helpers import REPO, directory_bytes, foreign_files_message, save_a_model
+from ple_tools.written import ForeignFilesError
 
 ARGUMENTS = dict(rows=100, row_bytes=16, shards=4, files=2, seed=0)
 
@@ -56,9 +66,157 @@ def test_other_arguments_write_it_again(make_table, tmp_path, change):
     assert len(list(tmp_path.glob("*.safetensors"))) == change.get("files", 2)
 
 
-def test_a_table_without_its_layout_file_is_written_again(make_table, tmp_path):
+def test_layout_json_lists_the_files_written(make_table, tmp_path):
+    make_table.ensure_table(tmp_path / "a" / "b", **ARGUMENTS)  # a missing directory is made
+    assert json.loads((tmp_path / "a" / "b" / "layout.json").read_text()) == {
+        "written_by": "ple-make-table", "complete": True,
+        "files": ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"],
+        "layout": ARGUMENTS}
+    assert sorted(p.name for p in (tmp_path / "a" / "b").iterdir()) == [
+        "layout.json", "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
+
+
+def test_a_saved_model_is_refused_and_kept(make_table, tmp_path):
+    """The issue: a saved model's model.safetensors was deleted."""
+    save_a_model(tmp_path)
+    before = directory_bytes(tmp_path)
+    with pytest.raises(ForeignFilesError) as error:
+        make_table.ensure_table(tmp_path, **ARGUMENTS)
+    assert str(error.value) == (
+        f"{tmp_path} holds 2 files that ple did not write (model.safetensors, notes.txt); ple "
+        "writes its files only into a missing or empty directory, or one holding files it wrote "
+        "there itself (listed in its layout.json), and deletes nothing else: name another "
+        "directory, or move those files out")
+    assert directory_bytes(tmp_path) == before
+    assert make_table.writes == []
+
+
+@pytest.mark.parametrize("change", [{}, {"seed": 1}, {"shards": 1, "files": 1}])
+def test_a_file_beside_a_table_is_refused_and_kept(make_table, tmp_path, change):
+    """Reusing the table or writing another one: either way a file ple did
+    not write makes it refuse the directory, and nothing changes; at most
+    three are named, sorted, a directory with a slash."""
     make_table.ensure_table(tmp_path, **ARGUMENTS)
-    (tmp_path / make_table.LAYOUT_FILE).unlink()  # as after an interrupted write
+    save_a_model(tmp_path)
+    (tmp_path / "runs").mkdir()
+    (tmp_path / "runs" / "log.txt").write_text("a run\n")
+    (tmp_path / ".hidden").write_text("")
+    before = directory_bytes(tmp_path)
+    with pytest.raises(ForeignFilesError) as error:
+        make_table.ensure_table(tmp_path, **{**ARGUMENTS, **change})
+    assert str(error.value) == foreign_files_message(
+        tmp_path, [".hidden", "model.safetensors", "notes.txt", "runs/"])
+    assert "(.hidden, model.safetensors, notes.txt and 1 more)" in str(error.value)
+    assert directory_bytes(tmp_path) == before
+    assert make_table.writes == [ARGUMENTS]
+
+
+def test_a_layout_json_ple_did_not_write_is_refused(make_table, tmp_path):
+    (tmp_path / "layout.json").write_text('{"rows": "many"}')
+    with pytest.raises(ForeignFilesError) as error:
+        make_table.ensure_table(tmp_path, **ARGUMENTS)
+    assert str(error.value) == foreign_files_message(tmp_path, ["layout.json"])
+    assert (tmp_path / "layout.json").read_text() == '{"rows": "many"}'
+
+
+def test_files_without_their_layout_json_are_refused(make_table, tmp_path):
+    """Nothing says that ple wrote them (an older ple's interrupted write
+    leaves a table so, and so does a copied checkpoint)."""
     make_table.ensure_table(tmp_path, **ARGUMENTS)
-    assert make_table.writes == [ARGUMENTS, ARGUMENTS]
-    assert (tmp_path / make_table.LAYOUT_FILE).exists()
+    (tmp_path / "layout.json").unlink()
+    with pytest.raises(ForeignFilesError) as error:
+        make_table.ensure_table(tmp_path, **ARGUMENTS)
+    assert str(error.value) == foreign_files_message(
+        tmp_path, ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"])
+
+
+def test_a_path_that_is_a_file_is_refused(make_table, tmp_path):
+    (tmp_path / "table").write_text("x")
+    with pytest.raises(ForeignFilesError, match=f"^{tmp_path / 'table'} is not a directory: name "
+                       r"a directory for the tool to write into \(a missing one is created\)$"):
+        make_table.ensure_table(tmp_path / "table", **ARGUMENTS)
+
+
+def test_an_interrupted_write_is_written_again(make_table, tmp_path, monkeypatch):
+    """Cut short after its first file (the second one half written), a
+    write leaves a layout.json that lists both files and says it is
+    incomplete: the next call deletes and writes them again; a file ple did
+    not write beside them is still refused."""
+    make_table.ensure_table(tmp_path, **{**ARGUMENTS, "seed": 1})
+    save_file = safetensors.torch.save_file
+    calls = []
+
+    def cut_short(tensors, path, *args, **kwargs):
+        calls.append(path)
+        if len(calls) == 2:
+            with open(path, "wb") as handle:
+                handle.write(b"half")
+            raise KeyboardInterrupt
+        return save_file(tensors, path, *args, **kwargs)
+
+    monkeypatch.setattr(safetensors.torch, "save_file", cut_short)
+    with pytest.raises(KeyboardInterrupt):
+        make_table.ensure_table(tmp_path, **ARGUMENTS)
+    monkeypatch.setattr(safetensors.torch, "save_file", save_file)
+    marker = json.loads((tmp_path / "layout.json").read_text())
+    assert marker["complete"] is False and marker["layout"] == ARGUMENTS
+    assert marker["files"] == ["model-00001-of-00002.safetensors",
+                               "model-00002-of-00002.safetensors"]
+
+    (tmp_path / "mine.txt").write_text("mine")
+    before = directory_bytes(tmp_path)
+    with pytest.raises(ForeignFilesError) as error:
+        make_table.ensure_table(tmp_path, **ARGUMENTS)
+    assert str(error.value) == foreign_files_message(tmp_path, ["mine.txt"])
+    assert directory_bytes(tmp_path) == before
+    (tmp_path / "mine.txt").unlink()
+
+    make_table.ensure_table(tmp_path, **ARGUMENTS)
+    assert make_table.writes == [{**ARGUMENTS, "seed": 1}, ARGUMENTS, ARGUMENTS]
+    assert json.loads((tmp_path / "layout.json").read_text())["complete"] is True
+    with ple.Table.from_safetensors(tmp_path, make_table.PREFIX) as table:
+        assert table.num_rows == ARGUMENTS["rows"]
+
+
+def test_a_table_of_an_older_ple_is_reused_and_replaced(make_table, tmp_path):
+    """An older ensure_table's layout.json held the arguments alone, written
+    after the files, whose names they give: the table is reused, and
+    replaced by one of other arguments without a stray file."""
+    make_table.write_table(tmp_path, **{**ARGUMENTS, "files": 4})
+    (tmp_path / "layout.json").write_text(json.dumps({**ARGUMENTS, "files": 4}))
+    make_table.ensure_table(tmp_path, **{**ARGUMENTS, "files": 4})
+    assert make_table.writes == [{**ARGUMENTS, "files": 4}]  # write_table's own call only
+    make_table.ensure_table(tmp_path, **ARGUMENTS)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "layout.json", "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
+
+
+def test_the_command_line_says_so_and_exits_2(tmp_path):
+    """``ple-make-table DIR``: the error on stderr, no traceback, nothing
+    written or deleted."""
+    save_a_model(tmp_path)
+    before = directory_bytes(tmp_path)
+    run = subprocess.run([sys.executable, str(REPO / "tools" / "make_table.py"), str(tmp_path),
+                          "--mib", "0.01"], capture_output=True, text=True, timeout=120)
+    assert (run.returncode, run.stdout) == (2, "")
+    assert run.stderr == f"error: {foreign_files_message(tmp_path, ['model.safetensors', 'notes.txt'])}\n"
+    assert directory_bytes(tmp_path) == before
+
+
+@pytest.mark.parametrize("tool, options", [
+    ("demo", []), ("bench_gather", ["--quick"]), ("bench_warm", []), ("bench_serving", []),
+    ("bench_layers", []), ("bench_tensor_parallel", ["--device", "cpu"])])
+def test_every_table_tool_refuses_a_saved_model(tool, options, tmp_path, capsys):
+    """Each tool's ``--table DIR`` (in this process: each refuses before its
+    benchmark starts); bench_gpu needs CUDA before it writes its table, and
+    shares the same ensure_table."""
+    import importlib
+
+    save_a_model(tmp_path)
+    before = directory_bytes(tmp_path)
+    main = importlib.import_module(f"ple_tools.{tool}").main
+    assert main(["--table", str(tmp_path), *options]) == 2
+    err = capsys.readouterr().err
+    assert err.endswith(
+        f"error: {foreign_files_message(tmp_path, ['model.safetensors', 'notes.txt'])}\n"), err
+    assert directory_bytes(tmp_path) == before

@@ -87,8 +87,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         epilog=__doc__.split("\n\n", 2)[2] if __doc__.count("\n\n") >= 2 else None,
         formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--table", type=Path, default=Path("data/bench_table"),
-                        help="the table's directory; written there unless it already holds "
-                        "a table of this size (default data/bench_table)")
+                        help="the table's directory: reused if ple wrote a table of this size "
+                        "there, else written there; a directory holding files ple did not "
+                        "write is refused (default data/bench_table)")
     parser.add_argument("--table-gib", type=float, help="table size in GiB (default 8; --quick 0.25)")
     parser.add_argument("--row-bytes", type=int, default=160, help="bytes (FP8 values) per row (default 160)")
     parser.add_argument("--calls", type=int, help="calls per arm (default 16; --quick 4)")

@@ -206,8 +206,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         description=__doc__.split("\n\n")[0],
         epilog=__doc__.split("\n\n", 2)[2], formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--table", type=Path, default=Path("data/gpu_bench_table"),
-                        help="the table's directory; written there unless it already holds a "
-                        "table of this size (default data/gpu_bench_table)")
+                        help="the table's directory: reused if ple wrote a table of this size "
+                        "there, else written there; a directory holding files ple did not "
+                        "write is refused (default data/gpu_bench_table)")
     parser.add_argument("--mib", type=float, default=1024, help="table size in MiB (default 1024)")
     parser.add_argument("--calls", type=int, default=50,
                         help="timed calls per warm measurement (default 50)")

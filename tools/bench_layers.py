@@ -75,7 +75,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         description=__doc__.split("\n\n")[0],
         epilog=__doc__.split("\n\n", 2)[2], formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--table", type=Path, default=Path("data/bench_table"),
-                        help="the table's directory (default data/bench_table)")
+                        help="the table's directory: reused if ple wrote a table of this size "
+                        "there, else written there; a directory holding files ple did not "
+                        "write is refused (default data/bench_table)")
     parser.add_argument("--table-gib", type=float, default=8.0,
                         help="table size in GiB, written when --table holds no table of this "
                         "size (default 8)")

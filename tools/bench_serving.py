@@ -76,8 +76,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         epilog=__doc__.split("\n\n", 2)[2],
         formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--table", type=Path, default=Path("data/bench_table"),
-                        help="the table's directory; written there unless it already holds "
-                        "a table of this size (default data/bench_table)")
+                        help="the table's directory: reused if ple wrote a table of this size "
+                        "there, else written there; a directory holding files ple did not "
+                        "write is refused (default data/bench_table)")
     parser.add_argument("--table-gib", type=float, default=4.0, help="table size in GiB (default 4)")
     parser.add_argument("--row-bytes", type=int, default=160, help="bytes per row (default 160)")
     parser.add_argument("--budget", type=int, default=256, metavar="MiB",

@@ -8,7 +8,9 @@ served by ple, held in memory, and offloaded to disk by transformers.
 The checkpoint is a tiny Qwen4Exp text model (random weights) whose PLE
 layers have n-gram tables of ``--table-gib`` GiB in all, written as shard
 families ``....ngram_embedding.shard_{i}.weight`` one shard at a time; a
-directory that already holds one of that size is reused.  Each arm runs in
+directory that already holds one of that size is reused, and one that holds
+files the tool did not write is refused (its ``ple_bench.json`` lists the
+files it wrote, the only ones it deletes).  Each arm runs in
 a subprocess of its own, after the checkpoint's pages have been dropped
 from the page cache (the first token is cold, as after a reboot):
 
@@ -49,6 +51,7 @@ from itertools import chain
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from ple_tools import written
 from ple_tools.figures import add_json_option, run_recorded
 
 if TYPE_CHECKING:  # for annotations; torch is imported after parsing (--help imports none)
@@ -66,7 +69,10 @@ MODEL_CONFIG = dict(
     num_experts=4, num_experts_per_tok=2, hc_count=2, hc_lowrank=16, ple_layer_ids=[1, 2],
     ple_embed_dim=256, ngram_size=3, heads_per_ngram=2, eos_token_id=1, pad_token_id=0,
     bos_token_id=2)
-INFO = "ple_bench.json"
+INFO = "ple_bench.json"  # the checkpoint's marker (ple_tools.written)
+TOOL = "ple-bench-transformers"
+SMALL_FILE = "model-small.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
 
 
 def qwen4exp_config(table_bytes: float | None, *, ple_layers: int, shards: int,
@@ -95,8 +101,10 @@ def write_checkpoint(directory: Path, table_bytes: float, *, ple_layers: int = 2
     tiny tables, the tables are random shards written one file each, and an
     index lists them all.  ``sync``: flush each file to the disk (so that
     its pages can be dropped from the page cache).  Returns what it wrote
-    (also in ple_bench.json).  ``dtype``: of the stored rows (default
-    bfloat16)."""
+    (also in ple_bench.json, which lists the files: see ple_tools.written).
+    ``dtype``: of the stored rows (default bfloat16).  Raises
+    ple_tools.written.ForeignFilesError, before deleting or writing anything,
+    when ``directory`` holds a file that its ple_bench.json does not list."""
     import torch
     from safetensors.torch import load_file, save_file
     from transformers import Qwen4ExpForCausalLM
@@ -107,23 +115,26 @@ def write_checkpoint(directory: Path, table_bytes: float, *, ple_layers: int = 2
                              **overrides)
     small_config = qwen4exp_config(None, ple_layers=ple_layers, shards=shards, dtype=dtype,
                                    **overrides)
-    directory.mkdir(parents=True, exist_ok=True)
-    for old in directory.glob("*.safetensors"):
-        old.unlink()
+    marker = directory / INFO
+    record = written.read_record(marker, TOOL, _legacy_record)
+    written.refuse_foreign(directory, marker, record)
+    # The big model on the meta device: its n-gram modules' sizes and buffers.
+    with torch.device("meta"):
+        big = Qwen4ExpForCausalLM(config)
+    ngram_modules = [(name, module) for name, module in big.named_modules()
+                     if type(module).__name__ == "Qwen4ExpTextNGramEmbedding"]
+    names = [*(_shard_file(f"{name}.ngram_embedding", i) for name, _ in ngram_modules
+               for i in range(shards)), SMALL_FILE, INDEX_FILE, "config.json"]
+    written.begin(directory, marker, TOOL, record, names)
     torch.manual_seed(seed)
-    with tempfile.TemporaryDirectory(dir=directory) as scratch:
+    with tempfile.TemporaryDirectory() as scratch:
         Qwen4ExpForCausalLM(small_config).to(dtype).save_pretrained(scratch)
         weights = {}
         for file in Path(scratch).glob("*.safetensors"):
             weights.update(load_file(file))
-    # The big model on the meta device: its n-gram modules' sizes and buffers.
-    with torch.device("meta"):
-        big = Qwen4ExpForCausalLM(config)
     weight_map, total, tables = {}, 0, {}
     generator = torch.Generator().manual_seed(seed + 1)
-    for name, module in big.named_modules():
-        if type(module).__name__ != "Qwen4ExpTextNGramEmbedding":
-            continue
+    for name, module in ngram_modules:
         for key in [k for k in weights if k.startswith(f"{name}.")]:
             del weights[key]
         weights[f"{name}.layer_multipliers"] = _layer_multipliers(module)
@@ -135,7 +146,7 @@ def write_checkpoint(directory: Path, table_bytes: float, *, ple_layers: int = 2
         for i in range(shards):
             n = max(0, min(per_shard, rows - i * per_shard))
             shard = torch.empty(n, cols).normal_(0, 0.02, generator=generator).to(dtype)
-            file = f"{prefix.replace('.', '-')}-{i:05d}.safetensors"
+            file = _shard_file(prefix, i)
             save_file({f"{prefix}.shard_{i}.weight": shard}, str(directory / file))
             if sync:
                 _fsync(directory / file)
@@ -143,20 +154,35 @@ def write_checkpoint(directory: Path, table_bytes: float, *, ple_layers: int = 2
             total += shard.nbytes
             del shard
         tables[prefix] = [rows, cols]
-    save_file(weights, str(directory / "model-small.safetensors"))
-    weight_map.update(dict.fromkeys(weights, "model-small.safetensors"))
+    save_file(weights, str(directory / SMALL_FILE))
+    weight_map.update(dict.fromkeys(weights, SMALL_FILE))
     total += sum(t.nbytes for t in weights.values())
     index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
-    (directory / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    (directory / INDEX_FILE).write_text(json.dumps(index, indent=2))
     config.save_pretrained(directory)
     info = {"table_bytes": sum(r * c * dtype.itemsize for r, c in tables.values()),
             "tables": tables, "dtype": str(dtype).removeprefix("torch."),
             "requested_bytes": table_bytes, "ple_layers": ple_layers, "shards": shards,
             "seed": seed}
     if sync:
-        _fsync(directory / "model-small.safetensors")
-    (directory / INFO).write_text(json.dumps(info, indent=2))
+        _fsync(directory / SMALL_FILE)
+    written.finish(marker, TOOL, names, **info)
     return info
+
+
+def _shard_file(prefix: str, i: int) -> str:
+    return f"{prefix.replace('.', '-')}-{i:05d}.safetensors"
+
+
+def _legacy_record(data: object) -> dict | None:
+    """A record of the ple_bench.json written before it listed its files
+    (after them): the files are those its tables and shards name."""
+    try:
+        files = [_shard_file(prefix, i) for prefix in data["tables"]
+                 for i in range(data["shards"])]
+    except (TypeError, KeyError):
+        return None
+    return {**data, "complete": True, "files": [*files, SMALL_FILE, INDEX_FILE, "config.json"]}
 
 
 def _fsync(path: Path) -> None:
@@ -177,15 +203,17 @@ def _layer_multipliers(module) -> torch.Tensor:
 def ensure_checkpoint(directory: Path, table_bytes: float, dtype: torch.dtype,
                       ple_layers: int = 2) -> dict:
     """The checkpoint in ``directory`` if it was written for this size, dtype
-    and number of PLE layers, else a new one."""
-    try:
-        info = json.loads((directory / INFO).read_text())
-        if ((info["requested_bytes"], info["dtype"], info["ple_layers"])
-                == (table_bytes, str(dtype).removeprefix("torch."), ple_layers)
-                and (directory / "config.json").is_file()):
-            return info
-    except (OSError, ValueError, KeyError):
-        pass
+    and number of PLE layers, to the end, else a new one (write_checkpoint,
+    which refuses a directory holding files it did not write)."""
+    marker = directory / INFO
+    record = written.read_record(marker, TOOL, _legacy_record)
+    written.refuse_foreign(directory, marker, record)
+    if (record is not None and record["complete"]
+            and (record.get("requested_bytes"), record.get("dtype"), record.get("ple_layers"))
+            == (table_bytes, str(dtype).removeprefix("torch."), ple_layers)
+            and all((directory / name).is_file() for name in record["files"])):
+        return {key: value for key, value in record.items()
+                if key not in ("written_by", "complete", "files")}
     return write_checkpoint(directory, table_bytes, dtype=dtype, ple_layers=ple_layers, sync=True)
 
 
@@ -367,7 +395,9 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dir", type=Path, default=Path("data/bench_transformers"),
-                        help="the checkpoint, written when it holds none of this size")
+                        help="the checkpoint's directory: reused if this tool wrote one of this "
+                        "size there, else written there; a directory holding files it did not "
+                        "write is refused (default data/bench_transformers)")
     parser.add_argument("--table-gib", type=float, default=3.0,
                         help="GiB of n-gram tables in all (default 3)")
     parser.add_argument("--ple-layers", type=int, default=2, help="PLE layers (default 2)")
@@ -408,10 +438,18 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[int,
             results.append({"arm": arm, "skipped": "too little memory (--in-memory runs it)"})
             continue
         drop_page_cache(args.dir)
+        # The child's offload folder goes in one of this process's, removed
+        # even when the child is killed: a folder left in --dir would make
+        # the next run refuse the checkpoint (ple_tools.written).
+        offload_dir = (tempfile.mkdtemp(prefix="offload-", dir=args.offload_dir or args.dir)
+                       if arm == "disk-offload" else None)
         spec = {"arm": arm, "dir": str(args.dir), "dtype": args.dtype, "prompt": args.prompt,
-                "new_tokens": args.new_tokens, "seed": args.seed,
-                "offload_dir": str(args.offload_dir) if args.offload_dir else None}
-        results.append(spawn_arm(spec, args.timeout) | {"loadavg": os.getloadavg()[0]})
+                "new_tokens": args.new_tokens, "seed": args.seed, "offload_dir": offload_dir}
+        try:
+            results.append(spawn_arm(spec, args.timeout) | {"loadavg": os.getloadavg()[0]})
+        finally:
+            if offload_dir is not None:
+                shutil.rmtree(offload_dir, ignore_errors=True)
         print(f"  {arm}: done (load average {os.getloadavg()[0]:.2f})", flush=True)
 
     print(f"\n{'arm':<14}{'load s':>9}{'peak RSS GiB':>14}{'first token s':>15}{'ms/token':>10}"

@@ -119,8 +119,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         description=__doc__.split("\n\n")[0],
         epilog=__doc__.split("\n\n", 2)[2], formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--table", type=Path, default=Path("data/demo_table"),
-                        help="the table's directory; written there unless it already holds a "
-                        "table of this size (default data/demo_table)")
+                        help="the table's directory: reused if ple wrote a table of this size "
+                        "there, else written there; a directory holding files ple did not "
+                        "write is refused (default data/demo_table)")
     parser.add_argument("--mib", type=float, default=256, help="table size in MiB (default 256)")
     parser.add_argument("--row-bytes", type=int, default=160,
                         help="bytes (FP8 values) per row (default 160)")

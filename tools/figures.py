@@ -29,6 +29,8 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+from ple_tools.written import ForeignFilesError
+
 REPO = Path(__file__).resolve().parents[1]
 PAGE = REPO / "docs" / "performance.md"
 FIGURES = REPO / "docs" / "figures"
@@ -88,13 +90,19 @@ def run_recorded(args: argparse.Namespace, tool: str, argv: list[str] | None,
     and the document written there, with every option's value as parsed
     (``settings``: the defaults too, which the command line leaves out).
     ``tool``: the tool's file name in tools/ (``bench_gpu``); ``argv``: its
-    arguments (None: sys.argv's).  Returns the status."""
+    arguments (None: sys.argv's).  Returns the status: 2, with the error
+    printed and no document, when ``run()`` refuses the directory it was
+    given (ple_tools.written.ForeignFilesError)."""
     path = args.json
-    if path is None:
-        return run()[0]
     kept = io.StringIO()
-    with contextlib.redirect_stdout(_Tee(sys.stdout, kept)):
-        status, results = run()
+    try:
+        if path is None:
+            return run()[0]
+        with contextlib.redirect_stdout(_Tee(sys.stdout, kept)):
+            status, results = run()
+    except ForeignFilesError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
     arguments = sys.argv[1:] if argv is None else argv
     document = {"command": shlex.join(["python", f"tools/{tool}.py", *without_json(arguments)]),
                 "machine": machine(), "date": datetime.date.today().isoformat(),

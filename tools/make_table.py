@@ -4,8 +4,13 @@ the layout of the reference n-gram checkpoint.
     ple-make-table data/table --mib 256     (or python tools/make_table.py ...)
 
 The files hold ``<prefix>.shard_{i}.weight`` (i = 0..S-1) and a
-``<prefix>.weight_scale`` scalar.  A directory that already holds a table
-written with the same arguments is reused, and the tool says so.
+``<prefix>.weight_scale`` scalar; ``layout.json`` lists them and the
+arguments.  A directory that already holds a table written with the same
+arguments is reused, and the tool says so; one that holds a table written
+with others, or cut short, is written again.  A directory holding any file
+that the table tools did not write (a model's ``model.safetensors``, say) is
+refused before anything in it is deleted or written: they delete only the
+files their ``layout.json`` lists.
 """
 
 from __future__ import annotations
@@ -16,6 +21,8 @@ import os
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+from ple_tools import written
 
 if TYPE_CHECKING:  # for annotations; imported after parsing
     import torch
@@ -31,6 +38,17 @@ def random_fp8_rows(rows: int, row_bytes: int, generator: torch.Generator) -> to
     raw = torch.randint(0, 256, (rows, row_bytes), dtype=torch.uint8, generator=generator)
     raw[(raw & 0x7F) == 0x7F] ^= 1
     return raw.view(torch.float8_e4m3fn)
+
+
+def _shard_ids(rows: int, shards: int) -> list[int]:
+    """The shards that get rows: of ``-(-rows // shards)`` rows each, the
+    last ones may get none."""
+    per_shard = -(-rows // shards)
+    return [i for i in range(shards) if i * per_shard < rows]
+
+
+def _file_name(f: int, files: int) -> str:
+    return f"model-{f + 1:05d}-of-{files:05d}.safetensors"
 
 
 def write_table(directory: Path, *, rows: int, row_bytes: int = 160, shards: int = 8,
@@ -49,7 +67,7 @@ def write_table(directory: Path, *, rows: int, row_bytes: int = 160, shards: int
     directory.mkdir(parents=True, exist_ok=True)
     generator = torch.Generator().manual_seed(seed)
     per_shard = -(-rows // shards)
-    shard_ids = [i for i in range(shards) if i * per_shard < rows]
+    shard_ids = _shard_ids(rows, shards)
     paths = []
     show = sys.stderr.isatty() if progress is None else progress
     with tqdm(total=rows * row_bytes, unit="B", unit_scale=True, unit_divisor=1024,
@@ -63,7 +81,7 @@ def write_table(directory: Path, *, rows: int, row_bytes: int = 160, shards: int
                 tensors[f"{PREFIX}.weight_scale"] = torch.tensor(SCALE, dtype=torch.float32)
             if not tensors:
                 continue
-            path = directory / f"model-{f + 1:05d}-of-{files:05d}.safetensors"
+            path = directory / _file_name(f, files)
             save_file(tensors, str(path))
             with open(path, "rb") as handle:
                 os.fsync(handle.fileno())
@@ -77,31 +95,54 @@ def write_table(directory: Path, *, rows: int, row_bytes: int = 160, shards: int
     return paths
 
 
+def table_files(*, rows: int, shards: int = 8, files: int = 4, **_) -> list[str]:
+    """The names of the files write_table writes: file 0 (with the scale)
+    and every other file that gets a shard."""
+    shard_ids = _shard_ids(rows, shards)
+    return [_file_name(f, files) for f in range(files) if f == 0 or shard_ids[f::files]]
+
+
 LAYOUT_FILE = "layout.json"
+TOOL = "ple-make-table"
+LAYOUT_KEYS = ("rows", "row_bytes", "shards", "files", "seed")
+
+
+def _legacy_record(data: object) -> dict | None:
+    """A record of the marker ensure_table wrote before it listed its files:
+    the layout alone, written after the table's files, whose names the
+    layout gives."""
+    if (isinstance(data, dict) and tuple(data) == LAYOUT_KEYS
+            and all(type(v) is int for v in data.values())):
+        return {"complete": True, "layout": data, "files": table_files(**data)}
+    return None
 
 
 def ensure_table(directory: Path, *, rows: int, row_bytes: int = 160, shards: int = 8,
                  files: int = 4, seed: int = 0) -> None:
     """Writes the table unless `directory` holds one written with these very
-    arguments (its layout file, written last, says so: a table cut short by
-    an interrupted write is written again)."""
+    arguments, to the end.  Its marker, ``layout.json``, lists the files and
+    says whether they were written to the end (ple_tools.written): a table
+    cut short, or written with other arguments, is deleted and written
+    again.  Raises ple_tools.written.ForeignFilesError, before deleting or
+    writing anything, when `directory` holds any file the marker does not
+    list."""
     layout = {"rows": rows, "row_bytes": row_bytes, "shards": shards, "files": files, "seed": seed}
     marker = directory / LAYOUT_FILE
-    try:
-        if json.loads(marker.read_text()) == layout:
-            print(f"reusing the table in {directory} ({rows:,} rows of {row_bytes} B, "
-                  f"{rows * row_bytes / 2**20:.0f} MiB, seed {seed}): it was written with "
-                  "these arguments", file=sys.stderr)
-            return
-    except (OSError, ValueError):
-        pass
-    marker.unlink(missing_ok=True)
-    for old in directory.glob("*.safetensors"):
-        old.unlink()
+    record = written.read_record(marker, TOOL, _legacy_record)
+    written.refuse_foreign(directory, marker, record)
+    if (record is not None and record["complete"] and record.get("layout") == layout
+            and all((directory / name).is_file() for name in record["files"])):
+        print(f"reusing the table in {directory} ({rows:,} rows of {row_bytes} B, "
+              f"{rows * row_bytes / 2**20:.0f} MiB, seed {seed}): it was written with "
+              "these arguments", file=sys.stderr)
+        return
+    names = table_files(**layout)
+    written.begin(directory, marker, TOOL, record, names, layout=layout)
     print(f"writing a table of {rows:,} rows of {row_bytes} B "
           f"({rows * row_bytes / 2**20:.0f} MiB) in {directory}", file=sys.stderr)
-    write_table(directory, **layout)
-    marker.write_text(json.dumps(layout))
+    paths = write_table(directory, **layout)
+    assert [p.name for p in paths] == names, (paths, names)
+    written.finish(marker, TOOL, names, layout=layout)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -109,7 +150,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         description=__doc__.split("\n\n")[0],
         epilog=__doc__.split("\n\n", 2)[2],
         formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("directory", type=Path, help="where to write the table's files")
+    parser.add_argument("directory", type=Path,
+                        help="where to write the table's files: a missing or empty directory, "
+                        "or one holding a table this tool wrote")
     parser.add_argument("--mib", type=float, default=256,
                         help="table size in MiB (default 256)")
     parser.add_argument("--row-bytes", type=int, default=160,
@@ -125,8 +168,12 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> int:
     args = parse_args(argv)
     rows = int(args.mib * 2**20) // args.row_bytes
-    ensure_table(args.directory, rows=rows, row_bytes=args.row_bytes, shards=args.shards,
-                 files=args.files, seed=args.seed)
+    try:
+        ensure_table(args.directory, rows=rows, row_bytes=args.row_bytes, shards=args.shards,
+                     files=args.files, seed=args.seed)
+    except written.ForeignFilesError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
     return 0
 
 

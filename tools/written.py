@@ -1,0 +1,120 @@
+"""The files a tool writes into a directory, and the refusal of a directory
+that holds any other.
+
+A tool that writes a table or a checkpoint into a directory keeps a marker
+there (``layout.json``, ``ple_bench.json``): a JSON record naming the tool,
+the files it wrote, and whether it wrote them to the end.  The marker is
+written before the first file, listing every file the write may leave (the
+old ones too), and again after the last, so a write cut short at any point
+leaves a marker that names all of its files and says it is incomplete.  A
+tool deletes only the files its marker lists, and refuses a directory that
+holds anything else, before it deletes or writes anything: the directory a
+user names may hold a model of theirs (transformers names its weights
+``model.safetensors``, as ple's tables are ``*.safetensors`` too).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+SHOWN = 3  # foreign files named in an error; the rest are counted
+
+
+class ForeignFilesError(Exception):
+    """A directory holds files that the tool did not write, so the tool writes
+    nothing there; the message names them and says what to do.  The tools'
+    command lines print it and exit with status 2."""
+
+
+def partial_name(marker: Path) -> str:
+    """The file a marker is written to before it replaces the marker."""
+    return f".{marker.name}.partial"
+
+
+def read_record(marker: Path, tool: str,
+                legacy: Callable[[object], dict | None] | None = None) -> dict | None:
+    """The record in ``marker`` if ``tool`` wrote it, or the one ``legacy``
+    makes of an older marker's JSON; None when there is no marker or it is
+    not the tool's (a file of the same name that the tool did not write).
+    A record has ``files`` (names in the marker's directory) and
+    ``complete``."""
+    try:
+        data = json.loads(marker.read_text())
+    except (OSError, ValueError):
+        return None
+    if isinstance(data, dict) and data.get("written_by") == tool:
+        record = data
+    elif legacy is not None:
+        record = legacy(data)
+    else:
+        return None
+    if not isinstance(record, dict) or not isinstance(record.get("complete"), bool):
+        return None
+    files = record.get("files")
+    # Plain names only: a marker must not lead the tool to delete anything
+    # outside its directory.
+    if not isinstance(files, list) or not all(
+            isinstance(f, str) and f not in ("", ".", "..") and "/" not in f for f in files):
+        return None
+    return record
+
+
+def refuse_foreign(directory: Path, marker: Path, record: dict | None) -> None:
+    """Raises ForeignFilesError when ``directory`` holds anything but the
+    files ``record`` lists, its marker and the marker's partial copy.  A
+    missing directory, or an empty one, holds nothing foreign."""
+    if not directory.exists() and not directory.is_symlink():
+        return
+    if not directory.is_dir():
+        raise ForeignFilesError(f"{directory} is not a directory: name a directory for the "
+                                "tool to write into (a missing one is created)")
+    owned = {partial_name(marker)}
+    if record is not None:
+        owned |= {marker.name, *record["files"]}
+    foreign = sorted(entry.name + ("/" if entry.is_dir() else "") for entry in directory.iterdir()
+                     if entry.name not in owned or entry.is_dir())
+    if not foreign:
+        return
+    shown = ", ".join(foreign[:SHOWN]) + (f" and {len(foreign) - SHOWN} more"
+                                          if len(foreign) > SHOWN else "")
+    one = len(foreign) == 1
+    raise ForeignFilesError(
+        f"{directory} holds {len(foreign)} file{'' if one else 's'} that ple did not write "
+        f"({shown}); ple writes its files only into a missing or empty directory, or one "
+        f"holding files it wrote there itself (listed in its {marker.name}), and deletes nothing "
+        f"else: name another directory, or move {'that file' if one else 'those files'} out")
+
+
+def write_record(marker: Path, record: dict) -> None:
+    """Writes ``record`` to ``marker`` whole or not at all: to its partial
+    copy first, flushed to the disk, then renamed over it."""
+    partial = marker.with_name(partial_name(marker))
+    with open(partial, "w") as handle:
+        handle.write(json.dumps(record, indent=1) + "\n")
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(partial, marker)
+
+
+def begin(directory: Path, marker: Path, tool: str, old: dict | None, files: Iterable[str],
+          **fields) -> None:
+    """Before a write: creates ``directory`` and records, as incomplete,
+    every file that the old write (``old``, its record) and the new one
+    (``files``) leave there, then deletes the old files.  The caller then
+    writes ``files`` and calls :func:`finish`."""
+    previous = list(old["files"]) if old is not None else []
+    directory.mkdir(parents=True, exist_ok=True)
+    write_record(marker, {"written_by": tool, "complete": False,
+                          "files": sorted({*previous, *files}), **fields})
+    for name in previous:
+        path = directory / name
+        if path.is_file() or path.is_symlink():
+            path.unlink()
+
+
+def finish(marker: Path, tool: str, files: Iterable[str], **fields) -> None:
+    """After a write: records ``files`` as the directory's whole content, complete."""
+    write_record(marker, {"written_by": tool, "complete": True, "files": sorted(files), **fields})
