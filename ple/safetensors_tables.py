@@ -101,16 +101,20 @@ def find_table(entries: dict[str, TensorEntry], name: str) -> str | None:
                  if candidate in entries or candidate in families), None)
 
 
+def closest_names(entries: dict[str, TensorEntry], name: str) -> list[str]:
+    """The tensor names and shard families (``<prefix>.shard_*``) of
+    ``entries`` nearest to ``name`` by spelling, the nearest first."""
+    candidates = {_candidate(key) for key in entries}
+    return difflib.get_close_matches(name, candidates, n=CLOSEST_SHOWN, cutoff=0)
+
+
 def missing_table(entries: dict[str, TensorEntry], files: list[Path], *names: str) -> ValueError:
     """The error for tables ``names`` (any of them would have done) that
-    ``entries`` (of ``files``) lack: the names tried, the nearest tensor
-    names and shard families to the first by spelling, and how many tensors
-    were searched."""
-    candidates = {_candidate(key) for key in entries}
-    closest = difflib.get_close_matches(names[0], candidates, n=CLOSEST_SHOWN, cutoff=0)
+    ``entries`` (of ``files``) lack: the names tried, the nearest names to
+    the first, and how many tensors were searched."""
     tried = " or ".join(repr(n) for name in names for n in layout_names(name))
     return ValueError(f"{describe_files(files)}: no tensor or shard family named {tried}; the "
-                      f"closest of their {len(entries)} tensors: {closest}")
+                      f"closest of their {len(entries)} tensors: {closest_names(entries, names[0])}")
 
 
 def _candidate(key: str) -> str:

@@ -4,10 +4,12 @@
     from ple.integrations.transformers import from_pretrained, tables
 
     model = from_pretrained(Qwen4ExpForCausalLM, "checkpoint/", dtype=torch.bfloat16)
+    model = from_pretrained(AutoModelForCausalLM, "google/gemma-3n-E4B-it")  # from the hub's cache
     model.to("cuda")                       # the tables stay on disk; ids on CUDA reach ple's CUDA kernel
     tables(model)                          # {module name: ple.Table}, for place(), config, stats()
 
-``from_pretrained`` loads a model from a local safetensors checkpoint as
+``from_pretrained`` loads a model from a safetensors checkpoint on disk (a
+directory, or a repo id that huggingface_hub's cache holds) as
 ``model_class.from_pretrained`` does, but for the embeddings it offloads:
 their modules become :class:`ple.layers.DiskEmbedding` (no parameters), whose
 rows ``torch.ops.ple.disk_gather`` reads from the checkpoint's files as the
@@ -29,7 +31,33 @@ those of ``model_class``; the model is given back as a ``model_class``) whose
 ``__init__`` swaps the offloaded modules for ``DiskEmbedding`` modules over
 tables opened from the checkpoint's headers, and whose
 ``_keys_to_ignore_on_load_unexpected`` covers their tensors, so that
-transformers neither reads them nor warns about them.
+transformers neither reads them nor warns about them.  An auto class
+(``AutoModelForCausalLM``, ``AutoModelForImageTextToText``, ``AutoModel``,
+...) is resolved first to the class transformers would build for the
+checkpoint's config (its own mapping), and loads through transformers' auto
+logic with that class swapped for the loading one: a text-only class on a
+multimodal checkpoint gets the text config with the checkpoint's
+``quantization_config``, as with transformers alone.  When "auto" would
+leave a table that it serves to be loaded into memory (no module of the
+model takes it), ``from_pretrained`` raises before anything is read.
+
+Published layouts: a multimodal checkpoint (Gemma 3n E4B's
+``Gemma3nForConditionalGeneration``, Qwen3.8-Flash-Next's
+``Qwen4ExpForConditionalGeneration``) keeps its text model under
+``model.language_model.*``; its own class and the text-only classes
+(``Gemma3nForCausalLM``, ``Qwen4ExpForCausalLM``, for which transformers
+strips ``language_model``) both load it.  Gemma 3n's multimodal classes build
+their vision tower with timm, which must be installed (with a torchvision
+built for the installed torch); the text-only class needs neither.
+
+FP8 tables: ple multiplies FP8 rows by their ``weight_scale``, as
+transformers' ``FP8Embedding`` does when the config's ``quantization_config``
+converts the module.  Where it does not (``Qwen4ExpForCausalLM`` given a
+multimodal FP8 checkpoint directly: transformers drops that checkpoint's
+``quantization_config`` and loads the values unscaled, a transformers bug;
+or a checkpoint with a scale and no ``quantization_config``), ple's outputs
+are those of the multimodal class and of ``AutoModelForCausalLM``, not of
+``model_class.from_pretrained`` alone, and a warning says so.
 
 What each module did is kept: an ``nn.Embedding``'s lookup bit for bit, in
 the dtype its weight would have had (``dtype=torch.bfloat16`` of an fp32
@@ -69,6 +97,7 @@ from torch import nn
 from ple.config import GatherConfig
 from ple.layers.disk_embedding import DTYPES, DiskEmbedding
 from ple.safetensors_header import TensorEntry
+from ple.safetensors_tables import closest_names, describe_files
 from ple.table import SHARD_NAME, Table, read_checkpoint_entries
 
 logger = logging.getLogger(__name__)
@@ -77,6 +106,13 @@ __all__ = ["ScaledDiskEmbedding", "close_tables", "from_pretrained", "offload", 
 
 SAFE_WEIGHTS_NAME = "model.safetensors"
 SAFE_WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
+# transformers' from_pretrained arguments that say where a hub checkpoint is;
+# ple takes them to find the snapshot in huggingface_hub's cache, and gives
+# transformers that snapshot's folder.
+HUB_ARGUMENTS = ("revision", "cache_dir", "token", "force_download", "local_files_only")
+# The last names of the tables offload="auto" serves: Qwen4Exp's n-gram
+# tables (shard families, or one tensor) and Gemma 3n's per-layer inputs.
+AUTO_TABLES = ("ngram_embedding", "embed_tokens_per_layer")
 
 
 class ScaledDiskEmbedding(DiskEmbedding):
@@ -142,13 +178,23 @@ def from_pretrained(model_class, path: str | os.PathLike, *, offload: str | Iter
     ``gather_config`` and split by rows across the ranks of
     ``process_group`` when given (a ``torch.distributed`` group, which must
     exist before the call: with ``tp_plan``, initialize the default group
-    first and transformers uses it).  ``path`` is a local directory of a safetensors
-    checkpoint (``model.safetensors`` or a sharded one with its index;
-    ``subfolder=`` and ``variant=`` are honoured).  The model comes back as a
-    ``model_class``; ``model.ple_offloaded`` maps each offloaded module's name
-    to the tensor or shard family it reads, and :func:`tables` gives the
-    tables.  With ``"auto"`` and no table found, the model loads as usual
-    (a warning says so)."""
+    first and transformers uses it).
+
+    ``model_class`` is a transformers model class or an auto class
+    (``AutoModelForCausalLM``, ...), which is resolved as transformers
+    resolves it, from the checkpoint's config.  ``path`` is a local
+    directory of a safetensors checkpoint (``model.safetensors`` or a
+    sharded one with its index; ``subfolder=`` and ``variant=`` are
+    honoured), or a hub repo id (``"google/gemma-3n-E4B-it"``) whose
+    snapshot huggingface_hub's cache holds (``revision=``, ``cache_dir=``;
+    offline: ``local_files_only=False`` lets it download the snapshot's
+    ``*.json`` and ``*.safetensors`` files first).  The model comes back as
+    the concrete class; ``model.ple_offloaded`` maps each offloaded module's
+    name to the tensor or shard family it reads, and :func:`tables` gives
+    the tables.  With ``"auto"`` and a checkpoint that has no table it
+    serves, the model loads as usual (a warning says so); a table it serves
+    that no module of the model would take is a ValueError, raised before
+    any weight is read."""
     for unsupported in ("gguf_file", "state_dict"):
         if kwargs.get(unsupported) is not None:
             raise ValueError(f"ple.integrations.transformers.from_pretrained serves tables from "
@@ -156,24 +202,33 @@ def from_pretrained(model_class, path: str | os.PathLike, *, offload: str | Iter
     if kwargs.get("use_safetensors") is False:
         raise ValueError("ple serves tables from safetensors files; use_safetensors=False is not "
                          "supported")
+    path = _local_checkpoint(path, kwargs)
     directory = Path(path, kwargs.get("subfolder") or "")
     if not directory.is_dir():
         raise FileNotFoundError(f"{directory}: not a local checkpoint directory (ple maps the "
-                                "checkpoint's own files, so it loads local checkpoints only)")
+                                "checkpoint's own files, so it loads checkpoints on disk only)")
+    auto_class = model_class if _is_auto_class(model_class) else None
+    if auto_class is not None:
+        auto_config, model_class = _resolved_auto_class(auto_class, path, kwargs)
+    _check_backends(model_class)
     files = checkpoint_files(directory, kwargs.get("variant"))
     entries = read_checkpoint_entries(files)
     opened: list[DiskEmbedding] = []
     found: dict[str, str] = {}
 
     def swap_in(model):
-        swapped = _swap(model, files, entries, offload, gather_config, kwargs.get("key_mapping"),
-                        process_group)
+        where = _Keys(model, entries, files, kwargs.get("key_mapping"))
+        swapped = _swap(model, where, offload, gather_config, process_group)
         opened.extend(module for module, _ in swapped.values())
         found.update({name: tensor for name, (_, tensor) in swapped.items()})
+        if isinstance(offload, str) and offload == "auto":
+            where.refuse_tables_left(swapped)
 
     loading_class = _loading_class(model_class, swap_in)
+    loader = (loading_class if auto_class is None
+              else _auto_loader(auto_class, auto_config, loading_class))
     try:
-        loaded = loading_class.from_pretrained(path, **kwargs)
+        loaded = loader.from_pretrained(path, **kwargs)
     except BaseException:
         for module in opened:
             module.close()
@@ -210,8 +265,8 @@ def offload(model: nn.Module, path: str | os.PathLike | Iterable[str | os.PathLi
         for file in files:
             if not file.is_file():
                 raise FileNotFoundError(f"{file}: no such checkpoint file")
-    swapped = _swap(model, files, read_checkpoint_entries(files), names, gather_config, key_mapping,
-                    process_group)
+    where = _Keys(model, read_checkpoint_entries(files), files, key_mapping)
+    swapped = _swap(model, where, names, gather_config, process_group)
     offloaded = dict(getattr(model, "ple_offloaded", None) or {})
     offloaded.update({name: tensor for name, (_, tensor) in swapped.items()})
     model.ple_offloaded = offloaded
@@ -240,6 +295,102 @@ def _add_variant(name: str, variant: str | None) -> str:
         return name
     stem, ext = name.split(".", 1)
     return f"{stem}.{variant}.{ext}"
+
+
+def _local_checkpoint(path: str | os.PathLike, kwargs: dict) -> str | os.PathLike:
+    """``path`` when it is a local directory, else the folder of the snapshot
+    of the hub repo ``path`` in huggingface_hub's cache (its files are links
+    into the cache's blobs, which ple maps as any file); the hub arguments
+    are taken out of ``kwargs``, as that folder is what transformers then
+    loads.  Nothing is downloaded unless ``local_files_only=False``."""
+    if Path(path).is_dir():
+        return path
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
+    from huggingface_hub.utils import validate_repo_id
+
+    try:
+        validate_repo_id(str(path))
+    except HFValidationError:
+        raise FileNotFoundError(f"{path}: not a local checkpoint directory, nor a hub repo id "
+                                "(ple maps the checkpoint's own files, so it loads checkpoints on "
+                                "disk only)") from None
+    hub = {name: kwargs.pop(name) for name in HUB_ARGUMENTS if name in kwargs}
+    offline = hub.pop("local_files_only", True)
+    subfolder = kwargs.get("subfolder") or ""
+    patterns = [f"{subfolder}/*{ext}" if subfolder else f"*{ext}" for ext in (".json", ".safetensors")]
+    try:
+        return snapshot_download(str(path), local_files_only=offline, allow_patterns=patterns, **hub)
+    except LocalEntryNotFoundError:
+        from huggingface_hub import constants
+
+        raise FileNotFoundError(
+            f"{path}: not a local directory, and huggingface_hub's cache "
+            f"({hub.get('cache_dir') or constants.HF_HUB_CACHE}) has no snapshot of it at revision "
+            f"{hub.get('revision') or 'main'!r}: download it first (hf download {path}), or pass "
+            "local_files_only=False to let from_pretrained download it") from None
+
+
+def _is_auto_class(model_class) -> bool:
+    try:
+        from transformers.models.auto.auto_factory import _BaseAutoModelClass
+    except ImportError:
+        return False
+    return isinstance(model_class, type) and issubclass(model_class, _BaseAutoModelClass)
+
+
+def _resolved_auto_class(auto_class, path, kwargs: dict):
+    """``(config, model class)``: the class ``auto_class.from_pretrained(path,
+    **kwargs)`` builds, chosen by transformers' own mapping from the
+    checkpoint's config (``config=`` when given), as its ``from_pretrained``
+    chooses it."""
+    from transformers import AutoConfig, PreTrainedConfig
+    from transformers.models.auto.auto_factory import _get_model_class
+
+    config = kwargs.get("config")
+    if not isinstance(config, PreTrainedConfig):
+        config = AutoConfig.from_pretrained(path, subfolder=kwargs.get("subfolder") or "",
+                                            trust_remote_code=kwargs.get("trust_remote_code"))
+    remote = kwargs.get("trust_remote_code") and auto_class.__name__ in (
+        getattr(config, "auto_map", None) or {})
+    if remote or type(config) not in auto_class._model_mapping:
+        raise ValueError(f"{auto_class.__name__} has no transformers class for "
+                         f"{type(config).__name__} (model_type {config.model_type!r}) of {path}"
+                         f"{' but remote code' if remote else ''}: ple resolves auto classes to "
+                         "transformers' own classes; pass the model class itself")
+    return config, _get_model_class(config, auto_class._model_mapping)
+
+
+def _auto_loader(auto_class, config, loading_class):
+    """``auto_class`` with a mapping that gives ``loading_class`` for the
+    checkpoint's config class, so that transformers' own auto
+    ``from_pretrained`` (a multimodal config's text part for a text-only
+    class, with the checkpoint's quantization_config; the dtype) loads
+    through it."""
+    return type(auto_class.__name__, (auto_class,),
+                {"_model_mapping": {type(config): loading_class}, "__module__": __name__})
+
+
+def _check_backends(model_class) -> None:
+    """An ImportError, before anything is opened, when ``model_class`` builds
+    a timm model (Gemma 3n's vision tower) and timm is missing; it names
+    the text-only class that needs none."""
+    from transformers.models.auto.modeling_auto import (MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+                                                        MODEL_MAPPING_NAMES)
+    from transformers.utils import is_timm_available
+
+    sub_configs = getattr(getattr(model_class, "config_class", None), "sub_configs", None) or {}
+    needs_timm = [key for key, sub in sub_configs.items()
+                  if MODEL_MAPPING_NAMES.get(getattr(sub, "model_type", None)) == "TimmWrapperModel"]
+    if not needs_timm or is_timm_available():
+        return
+    text = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(getattr(sub_configs.get("text_config"),
+                                                         "model_type", None))
+    instead = f"; for text only, load the checkpoint with {text}, which needs no timm" if text else ""
+    tower = needs_timm[0].removesuffix("_config")
+    raise ImportError(f"{model_class.__name__} builds its {tower} tower with timm, which is not "
+                      "installed (pip install timm, which needs a torchvision built for the "
+                      f"installed torch){instead}")
 
 
 def _loading_class(model_class, swap_in):
@@ -275,14 +426,13 @@ def auto_names(model: nn.Module) -> list[str]:
     return names
 
 
-def _swap(model: nn.Module, files: list[Path], entries: dict[str, TensorEntry], names,
-          gather_config: GatherConfig | None, key_mapping, process_group
-          ) -> dict[str, tuple[DiskEmbedding, str]]:
+def _swap(model: nn.Module, where: "_Keys", names, gather_config: GatherConfig | None,
+          process_group) -> dict[str, tuple[DiskEmbedding, str]]:
     """Replaces the modules ``names`` of ``model`` with DiskEmbedding modules
-    over their checkpoint tensors, split across ``process_group`` (None: not
-    split), and takes them out of the model's tensor-parallel plans.  Returns
-    ``{name: (module, tensor)}``; every table opened is closed again if one
-    of them fails."""
+    over their checkpoint tensors (found by ``where``), split across
+    ``process_group`` (None: not split), and takes them out of the model's
+    tensor-parallel plans.  Returns ``{name: (module, tensor)}``; every
+    table opened is closed again if one of them fails."""
     if isinstance(names, str) and names == "auto":
         names = [name for name in auto_names(model)
                  if not isinstance(model.get_submodule(name), DiskEmbedding)]
@@ -290,7 +440,6 @@ def _swap(model: nn.Module, files: list[Path], entries: dict[str, TensorEntry], 
         names = [names]
     names = list(dict.fromkeys(names))
     originals = {name: _offloadable(model, name) for name in names}
-    where = _Keys(model, entries, files, key_mapping)
     done: dict[str, tuple[DiskEmbedding, str]] = {}
     try:
         for name, original in originals.items():
@@ -303,6 +452,7 @@ def _swap(model: nn.Module, files: list[Path], entries: dict[str, TensorEntry], 
                 raise
             done[name] = (replacement, tensor)
             where.ignore_unexpected(reported)
+            _warn_if_transformers_would_not_scale(model, name, table)
         for name, (replacement, _) in done.items():
             parent, _, child = name.rpartition(".")
             setattr(model.get_submodule(parent), child, replacement)
@@ -312,6 +462,28 @@ def _swap(model: nn.Module, files: list[Path], entries: dict[str, TensorEntry], 
         raise
     _leave_out_of_tp_plans(model, done)
     return done
+
+
+def _warn_if_transformers_would_not_scale(model: nn.Module, name: str, table: Table) -> None:
+    """ple multiplies a table's fp8/u8/i8 values by its scale; transformers
+    does so only where the config's ``quantization_config`` converts the
+    module (``modules_to_convert``, matched as name endings, as
+    ``replace_with_fp8_embedding`` does), else it loads the stored values
+    as they are."""
+    if not table.row_format.scaled or table.scale == 1.0:
+        return
+    quantization = getattr(model.config, "quantization_config", None)
+    converted = (quantization.get("modules_to_convert") if isinstance(quantization, dict)
+                 else getattr(quantization, "modules_to_convert", None)) or ()
+    if any(name.endswith(pattern) for pattern in converted):
+        return
+    logger.warning(
+        "ple: %s <- %s: ple multiplies its %s values by their scale %s, but %s's config has no "
+        "quantization_config that converts the module, so %s.from_pretrained alone would load "
+        "them unscaled (transformers' text-only classes drop a multimodal checkpoint's "
+        "quantization_config): ple's outputs are those of the multimodal class and of "
+        "AutoModelForCausalLM, not those of %s.from_pretrained", name, table.name, table.format,
+        table.scale, type(model).__name__, type(model).__name__, type(model).__name__)
 
 
 def _leave_out_of_tp_plans(model: nn.Module, names: Iterable[str]) -> None:
@@ -422,13 +594,13 @@ class _Keys:
         self.entries = entries
         self.files = files
         self.prefix = getattr(model, "base_model_prefix", "") or ""
-        self._renamed: dict[str, str] | None = None
         self.key_mapping = key_mapping
+        # The model's keys before any module is swapped.
+        self.state = set(model.state_dict())
+        self._renamed = self._rename_all()
 
     def renamed(self) -> dict[str, str]:
         """{checkpoint key: the model key transformers loads it into}."""
-        if self._renamed is None:
-            self._renamed = self._rename_all()
         return self._renamed
 
     def _rename_all(self) -> dict[str, str]:
@@ -444,7 +616,7 @@ class _Keys:
         mapping = get_model_conversion_mapping(self.model, self.key_mapping)
         renamings = [m for m in mapping if isinstance(m, WeightRenaming)]
         converters = [m for m in mapping if isinstance(m, WeightConverter)]
-        state = dict.fromkeys(self.model.state_dict(), True)
+        state = dict.fromkeys(self.state, True)
         renamed = {}
         for key in self.entries:
             new, _ = rename_source_key(key, renamings, converters, self.prefix, state)
@@ -464,9 +636,10 @@ class _Keys:
                           if key == target or _family(key) == name)
         if not keys:
             raise ValueError(
-                f"no table for {name!r} in {self._where()}: looked for a tensor {target!r} or a "
-                f"shard family '{name}.shard_{{i}}.weight' (after transformers' key renaming, "
-                f"so also with or without the prefix {self.prefix!r})")
+                f"no table for {name!r} in {describe_files(self.files)}: looked for a tensor "
+                f"{target!r} or a shard family '{name}.shard_{{i}}.weight' (after transformers' "
+                f"key renaming, so also with or without the prefix {self.prefix!r}); the closest "
+                f"of their {len(self.entries)} tensors: {closest_names(self.entries, target)}")
         prefixes = {_family(key) for key in keys}
         if len(keys) == 1 and None in prefixes:
             tensor, scale = keys[0], f"{keys[0]}_scale"
@@ -494,17 +667,36 @@ class _Keys:
         self.model._keys_to_ignore_on_load_unexpected = (
             ignored | patterns if isinstance(ignored, set) else [*ignored, *sorted(patterns)])
 
-    def _where(self) -> str:
-        shown = ", ".join(str(f) for f in self.files[:3])
-        return shown + (f" and {len(self.files) - 3} more files" if len(self.files) > 3 else "")
+    def refuse_tables_left(self, swapped: dict[str, tuple[DiskEmbedding, str]]) -> None:
+        """A ValueError for the checkpoint's tables of offload="auto"'s kind
+        (``AUTO_TABLES``) that transformers would load into the model (which
+        has a parameter for them) but that no module of ``swapped`` serves:
+        loaded, they would be read whole into memory."""
+        served = {f"{name}.weight" for name in swapped}
+        left: dict[str, str] = {}
+        for key, target in self._renamed.items():
+            table = _family(key) or key.removesuffix(".weight")
+            if (table.rsplit(".", 1)[-1] in AUTO_TABLES and target in self.state
+                    and target not in served):
+                left.setdefault(table, target)
+        if left:
+            table, target = next(iter(left.items()))
+            more = f" (and {len(left) - 1} more)" if len(left) > 1 else ""
+            raise ValueError(
+                f"ple: offload='auto' would leave the table {table!r}{more} of "
+                f"{describe_files(self.files)} to be read into memory as {target!r}: no module "
+                f"of {type(self.model).__name__} there is one that 'auto' serves (a Qwen4Exp "
+                "n-gram module's ngram_embedding, an nn.Embedding named "
+                "embed_tokens_per_layer); name the module in offload=[...] to serve it, or pass "
+                "offload=[] to load it into memory")
 
 
 def _report(found: dict[str, str], model: nn.Module, where: Path, asked) -> None:
     if not found:
         if asked == "auto":
             logger.warning("ple: %s has no table that offload='auto' serves (Qwen4Exp n-gram "
-                           "tables, embed_tokens_per_layer); nothing was offloaded",
-                           type(model).__name__)
+                           "tables, embed_tokens_per_layer) in %s; nothing was offloaded",
+                           type(model).__name__, where)
         return
     served = tables(model)
     total = sum(served[name].num_rows * served[name].row_bytes for name in found if name in served)
