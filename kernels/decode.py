@@ -18,8 +18,11 @@ CHUNK_VALUES = 1 << 20
 def decode_rows(raw: torch.Tensor, fmt: RowFormat, scale: float, dtype: torch.dtype) -> torch.Tensor:
     """``raw``: contiguous uint8 ``[..., row_bytes]``.  Scaled formats are
     widened to float32 and multiplied by ``scale`` there, then cast to
-    ``dtype``; the other formats are cast directly.  GGUF block formats are
-    decoded to float32 by the gguf package's own dequantize, then cast.
+    ``dtype``; the other formats are cast directly.  ``scale`` is a float32
+    value, ``ple.formats.applied_scale``'s: the table's scale, or that scale
+    rounded to ``dtype``, which makes the product the one of a model that
+    multiplies in ``dtype``.  GGUF block formats are decoded to float32 by
+    the gguf package's own dequantize, then cast.
     Conversions that need a float32 intermediate run a chunk of rows at a
     time into the output (the same operations on each value, so the same
     bits), so that the memory they take beyond the output stays bounded."""

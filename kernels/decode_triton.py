@@ -2,9 +2,15 @@
 
 Bit-identical to the CPU decoder (kernels/decode.py, torch's conversions): scaled
 formats (fp8_e4m3fn, u8, i8) are widened to float32, multiplied by the scale in
-float32 and cast to the output dtype; the others are cast directly.  The kernel
-must also run on V100 (SM70) and Turing (SM75), so it uses no fp8 Triton type
-(refused below SM89) and decodes FP8 E4M3FN bits with integer operations.
+float32 and cast to the output dtype; the others are cast directly.  The scale
+is ``ple.formats.applied_scale``'s, so a scale rounded to the output dtype gives
+torch's ``values.to(dtype) * scale.to(dtype)`` as well (torch too multiplies
+float16 and bfloat16 in float32 and rounds once).  The product is not fused
+with anything, so no FMA can change its rounding.
+
+The kernel must also run on V100 (SM70) and Turing (SM75), so it uses no fp8
+Triton type (refused below SM89) and decodes FP8 E4M3FN bits with integer
+operations.
 
 Only imported where triton is available.
 """

@@ -33,6 +33,17 @@ class DiskEmbedding(PlacesServedRows, torch.nn.Module):
     which also moves with ``.to(device)``.  float64 rows are gathered as
     float32 and widened (exactly: every table's values are float32 values).
 
+    ``round_scale`` chooses the arithmetic of scaled rows (FP8, U8, I8;
+    ``torch.ops.ple.disk_gather``'s argument).  False, the default, is the
+    lookup above: ``W`` is the float32 product value x scale, cast to
+    ``dtype``, as for an ``nn.Embedding`` over the dequantized table.  True
+    multiplies in ``dtype`` by the scale rounded to ``dtype``,
+    ``values.to(dtype) * scale.to(dtype)``, as transformers' ``FP8Embedding``
+    does once its loader has cast ``weight_scale`` to the model's dtype (the
+    transformers integration's modules take it); the two differ where the
+    scale is not a value of ``dtype``.  With True a scaled table gives no
+    float64 rows: there that product is exact, which float32 rows cannot be.
+
     ``process_group``: split the table's rows across its ranks
     (``ple.layers.parallel``); every rank returns the full rows, and
     :meth:`place` keeps the rank's own rows in its tiers.
@@ -44,7 +55,7 @@ class DiskEmbedding(PlacesServedRows, torch.nn.Module):
 
     def __init__(self, table: Table, dtype: torch.dtype | None = None, *,
                  padding_idx: int | None = None, device: torch.device | str | None = None,
-                 process_group=None):
+                 process_group=None, round_scale: bool = False):
         super().__init__()
         dtype = table.dtype if dtype is None else dtype
         if dtype not in DTYPES:
@@ -52,6 +63,7 @@ class DiskEmbedding(PlacesServedRows, torch.nn.Module):
         self.split = None if process_group is None else RowSplit.for_group(table.num_rows,
                                                                            process_group)
         self.table = table
+        self.round_scale = round_scale
         self.num_embeddings = table.num_rows
         self.embedding_dim = table.cols
         # Only recorded, as nn.Embedding's: it changes gradients, never the lookup.
@@ -119,9 +131,13 @@ class DiskEmbedding(PlacesServedRows, torch.nn.Module):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         dtype = self.dtype
         if dtype in OUTPUT_DTYPES:
-            return gather(self.table, ids, dtype, self.split)
+            return gather(self.table, ids, dtype, self.split, self.round_scale)
         if dtype not in DTYPES:  # cast by .to() to a dtype no table's values widen to exactly
             raise TypeError(f"DiskEmbedding gives rows in {DTYPES}, not {dtype}")
+        if self.round_scale and self.table.row_format.scaled:
+            raise TypeError(f"DiskEmbedding(round_scale=True) over the {self.table.format} table "
+                            f"{self.table.name!r} gives no {dtype} rows: values.to({dtype}) * scale "
+                            "is exact there, and the rows are gathered in float32")
         return gather(self.table, ids, torch.float32, self.split).to(dtype)
 
     def prefetch(self, ids: torch.Tensor) -> None:
@@ -142,5 +158,6 @@ class DiskEmbedding(PlacesServedRows, torch.nn.Module):
     def extra_repr(self) -> str:
         padding = "" if self.padding_idx is None else f", padding_idx={self.padding_idx}"
         split = "" if self.split is None else f", {self.split}"
+        rounding = ", round_scale=True" if self.round_scale else ""
         return (f"{self.num_embeddings}, {self.embedding_dim}, table={self.table.name!r} "
-                f"({self.table.format}), dtype={self.dtype}{padding}{split}")
+                f"({self.table.format}), dtype={self.dtype}{rounding}{padding}{split}")

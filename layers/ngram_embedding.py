@@ -46,10 +46,18 @@ class NGramEmbedding(PlacesServedRows, torch.nn.Module):
     ``process_group``: split the table's rows across its ranks
     (``ple.layers.parallel``); every rank returns the full embedding, and
     :meth:`place` keeps the rank's own rows in its tiers.
+
+    ``round_scale`` (``torch.ops.ple.disk_gather``'s argument) chooses the
+    arithmetic of a scaled (FP8) table.  True, the default, is the reference
+    model's: ``values.to(dtype) * scale.to(dtype)``, as transformers'
+    ``FP8Embedding`` computes once its loader has cast ``weight_scale`` to the
+    model's dtype, and as vLLM's Qwen4Exp does; False is the float32 product
+    ``(values.to(float32) * scale).to(dtype)``.  They differ where the scale
+    is not a value of ``dtype`` (never in float32).
     """
 
     def __init__(self, table: Table, hashing: NGramHashing, dtype: torch.dtype = torch.bfloat16,
-                 process_group=None):
+                 process_group=None, round_scale: bool = True):
         super().__init__()
         if dtype not in OUTPUT_DTYPES:
             raise TypeError(f"dtype must be one of {OUTPUT_DTYPES}, not {dtype}")
@@ -62,6 +70,7 @@ class NGramEmbedding(PlacesServedRows, torch.nn.Module):
         self.table = table
         self.hashing = hashing
         self.dtype = dtype
+        self.round_scale = round_scale
         self.embedding_dim = hashing.heads * table.cols
         self.split = None if process_group is None else RowSplit.for_group(table.num_rows,
                                                                            process_group)
@@ -70,7 +79,8 @@ class NGramEmbedding(PlacesServedRows, torch.nn.Module):
     def from_safetensors(cls, checkpoint: PathsLike, tensor: str | None = None, *,
                          model_config=None, ple_layer_index: int = 0,
                          dtype: torch.dtype = torch.bfloat16, config: GatherConfig | None = None,
-                         process_group=None, **hashing_args) -> "NGramEmbedding":
+                         process_group=None, round_scale: bool = True, **hashing_args
+                         ) -> "NGramEmbedding":
         """The layer over the shards ``<tensor>.shard_{i}.weight`` (with their
         ``<tensor>.weight_scale``), or the 2-D tensor ``<tensor>``, of a
         safetensors checkpoint: a directory, a file or a list of files.
@@ -102,13 +112,13 @@ class NGramEmbedding(PlacesServedRows, torch.nn.Module):
         constants = _safetensors_constants(entries, tensor)
         hashing = _hashing(model_config, ple_layer_index, constants, hashing_args)
         return cls._opened(Table.from_safetensors(files, tensor, config), hashing, dtype,
-                           process_group)
+                           process_group, round_scale)
 
     @classmethod
     def from_gguf(cls, path: str | os.PathLike, tensor: str, *, model_config=None,
                   ple_layer_index: int = 0, dtype: torch.dtype = torch.bfloat16,
-                  config: GatherConfig | None = None, process_group=None, **hashing_args
-                  ) -> "NGramEmbedding":
+                  config: GatherConfig | None = None, process_group=None,
+                  round_scale: bool = True, **hashing_args) -> "NGramEmbedding":
         """The layer over the 2-D tensor ``tensor`` of a GGUF file; the file's
         ``qwen4exp.ple.*`` constants (multipliers, head sizes and offsets,
         EOS) replace the derived ones.  The other arguments as in
@@ -124,13 +134,13 @@ class NGramEmbedding(PlacesServedRows, torch.nn.Module):
         except BaseException:
             table.close()
             raise
-        return cls._opened(table, hashing, dtype, process_group)
+        return cls._opened(table, hashing, dtype, process_group, round_scale)
 
     @classmethod
-    def _opened(cls, table: Table, hashing: NGramHashing, dtype: torch.dtype, process_group
-                ) -> "NGramEmbedding":
+    def _opened(cls, table: Table, hashing: NGramHashing, dtype: torch.dtype, process_group,
+                round_scale: bool) -> "NGramEmbedding":
         try:
-            return cls(table, hashing, dtype, process_group)
+            return cls(table, hashing, dtype, process_group, round_scale)
         except BaseException:
             table.close()
             raise
@@ -147,7 +157,7 @@ class NGramEmbedding(PlacesServedRows, torch.nn.Module):
         request's last tokens before this step, oldest first (see
         ``NGramHashing.row_ids``)."""
         rows = gather(self.table, self.row_ids(token_ids, seq_ids, context), self.dtype,
-                      self.split)
+                      self.split, self.round_scale)
         return rows.reshape(token_ids.shape[0], self.embedding_dim)
 
     def prefetch(self, token_ids: torch.Tensor, seq_ids: torch.Tensor | None = None,
@@ -168,7 +178,7 @@ class NGramEmbedding(PlacesServedRows, torch.nn.Module):
         split = "" if self.split is None else f", {self.split}"
         return (f"table={self.table.name!r}, ple_layer_index={self.hashing.ple_layer_index}, "
                 f"heads={self.hashing.heads}, embedding_dim={self.embedding_dim}, "
-                f"dtype={self.dtype}{split}")
+                f"dtype={self.dtype}, round_scale={self.round_scale}{split}")
 
 
 def _hashing(model_config, ple_layer_index: int, constants: NGramConstants, hashing_args: dict

@@ -76,13 +76,14 @@ class RowSplit:
                 f"of {self.num_rows})")
 
 
-def gather(table: Table, ids: torch.Tensor, dtype: torch.dtype, split: RowSplit | None
-           ) -> torch.Tensor:
+def gather(table: Table, ids: torch.Tensor, dtype: torch.dtype, split: RowSplit | None,
+           round_scale: bool = False) -> torch.Tensor:
     """The rows ``ids`` of ``table`` as ``dtype`` ``[*ids.shape, cols]``, on
-    ``ids``' device; with a split, this rank's share summed over the group."""
+    ``ids``' device, scaled as ``round_scale`` says (``disk_gather``'s
+    argument); with a split, this rank's share summed over the group."""
     if split is None:
-        return torch.ops.ple.disk_gather(ids, table.handle, dtype)
-    rows = torch.ops.ple.disk_gather(split.ids_to_gather(ids), table.handle, dtype)
+        return torch.ops.ple.disk_gather(ids, table.handle, dtype, round_scale)
+    rows = torch.ops.ple.disk_gather(split.ids_to_gather(ids), table.handle, dtype, round_scale)
     rows = split.keep_own_rows(rows, ids)
     dist.all_reduce(rows, group=split.process_group)
     return rows

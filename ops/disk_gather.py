@@ -5,19 +5,33 @@ that names the table and its files' identity, so that a graph or program
 holding it reaches that table in any process, or raises) and return new tensors ``[*ids.shape, ...]``; the CPU kernels run the native
 windowed gather, ``disk_gather`` then decodes the rows.  ``disk_gather`` also
 has a CUDA kernel (disk_gather_cuda.py); ``disk_gather_bytes`` is CPU only.
+
+``round_scale`` chooses the arithmetic of scaled rows (fp8_e4m3fn, u8, i8):
+False (the default) gives ``(values.to(float32) * scale).to(dtype)``, one
+float32 product rounded to ``dtype``; True gives ``values.to(dtype) *
+scale.to(dtype)``, the scale rounded to ``dtype`` first, which is what a
+model holding the scale in its own dtype computes (transformers'
+``FP8Embedding``, vLLM's Qwen4Exp; ``ple.formats.applied_scale``).  They
+differ only where the scale is not a value of ``dtype`` (never in float32).
+The default is the float32 product because it is the closer to value x
+scale (a scale rounded to bfloat16 is off by up to 2**-9 of itself, and
+every value carries that error), and because with it the rows in any dtype are
+the float32 rows cast; the layers that stand in for a model's module pass
+that module's choice.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ple.formats import OUTPUT_DTYPES
+from ple.formats import OUTPUT_DTYPES, applied_scale
 from ple.kernels.decode import decode_rows
 from ple.table import Table, table_for_handle
 
 _lib = torch.library.Library("ple", "DEF")
 _lib.define("disk_gather_bytes(Tensor ids, str table) -> Tensor")
-_lib.define("disk_gather(Tensor ids, str table, ScalarType? dtype=None) -> Tensor")
+_lib.define("disk_gather(Tensor ids, str table, ScalarType? dtype=None, bool round_scale=False"
+            ") -> Tensor")
 
 
 def _checked(ids: torch.Tensor, handle: str, dtype: torch.dtype | None = None
@@ -31,14 +45,15 @@ def _checked(ids: torch.Tensor, handle: str, dtype: torch.dtype | None = None
     return table, dtype
 
 
-def gather(table: Table, ids, dtype: torch.dtype | None = None) -> torch.Tensor:
+def gather(table: Table, ids, dtype: torch.dtype | None = None, round_scale: bool = False
+           ) -> torch.Tensor:
     """The rows ``ids`` of ``table``, ``[*ids.shape, table.cols]`` in ``dtype``
     (default ``table.dtype``) on the ids' device: ``torch.ops.ple.disk_gather``
-    for a table rather than its handle."""
+    for a table rather than its handle (``round_scale``: the module's docstring)."""
     if not isinstance(table, Table):
         raise TypeError(f"ple.gather takes a ple.Table, not {type(table).__name__} (the operators "
                         "take table.handle)")
-    return torch.ops.ple.disk_gather(torch.as_tensor(ids), table.handle, dtype)
+    return torch.ops.ple.disk_gather(torch.as_tensor(ids), table.handle, dtype, round_scale)
 
 
 @torch.library.impl(_lib, "disk_gather_bytes", "CPU")
@@ -48,17 +63,20 @@ def _disk_gather_bytes_cpu(ids: torch.Tensor, table: str) -> torch.Tensor:
 
 
 @torch.library.impl(_lib, "disk_gather", "CPU")
-def _disk_gather_cpu(ids: torch.Tensor, table: str, dtype: torch.dtype | None = None) -> torch.Tensor:
+def _disk_gather_cpu(ids: torch.Tensor, table: str, dtype: torch.dtype | None = None,
+                     round_scale: bool = False) -> torch.Tensor:
     checked, dtype = _checked(ids, table, dtype)
-    return decode_rows(checked.gather_bytes(ids), checked.row_format, checked.scale, dtype)
+    return decode_rows(checked.gather_bytes(ids), checked.row_format,
+                       applied_scale(checked.scale, dtype, round_scale), dtype)
 
 
 @torch.library.impl(_lib, "disk_gather", "CUDA")
-def _disk_gather_cuda(ids: torch.Tensor, table: str, dtype: torch.dtype | None = None) -> torch.Tensor:
+def _disk_gather_cuda(ids: torch.Tensor, table: str, dtype: torch.dtype | None = None,
+                      round_scale: bool = False) -> torch.Tensor:
     from .disk_gather_cuda import disk_gather_cuda  # needs triton, which only CUDA calls need
 
     checked, dtype = _checked(ids, table, dtype)
-    return disk_gather_cuda(checked, ids, dtype)
+    return disk_gather_cuda(checked, ids, dtype, applied_scale(checked.scale, dtype, round_scale))
 
 
 @torch.library.register_fake("ple::disk_gather_bytes", lib=_lib)
@@ -68,6 +86,7 @@ def _disk_gather_bytes_fake(ids: torch.Tensor, table: str) -> torch.Tensor:
 
 
 @torch.library.register_fake("ple::disk_gather", lib=_lib)
-def _disk_gather_fake(ids: torch.Tensor, table: str, dtype: torch.dtype | None = None) -> torch.Tensor:
+def _disk_gather_fake(ids: torch.Tensor, table: str, dtype: torch.dtype | None = None,
+                      round_scale: bool = False) -> torch.Tensor:
     checked, dtype = _checked(ids, table, dtype)
     return ids.new_empty((*ids.shape, checked.cols), dtype=dtype)

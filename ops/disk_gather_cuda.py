@@ -31,16 +31,18 @@ from ple.tiers import Tiers
 UVA_MAX_BYTES = 1 << 20
 
 
-def disk_gather_cuda(table: Table, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def disk_gather_cuda(table: Table, ids: torch.Tensor, dtype: torch.dtype, scale: float
+                     ) -> torch.Tensor:
+    """``scale``: what scaled rows are multiplied by (``ple.formats.applied_scale``)."""
     handle, tiers = table.acquire()
     try:
-        return _gather(table, handle, tiers, ids, dtype)
+        return _gather(table, handle, tiers, ids, dtype, scale)
     finally:
         table.release(tiers)
 
 
 def _gather(table: Table, handle: int, tiers: Tiers | None, ids: torch.Tensor,
-            dtype: torch.dtype) -> torch.Tensor:
+            dtype: torch.dtype, scale: float) -> torch.Tensor:
     """disk_gather_cuda with the table's native handle and one snapshot of its tiers."""
     stream = torch.cuda.current_stream(ids.device)
     staging = table.staging_for(stream)
@@ -68,7 +70,7 @@ def _gather(table: Table, handle: int, tiers: Tiers | None, ids: torch.Tensor,
             rows, status = tiers.assemble(ids, table.num_rows, rows, status,
                                           None if on_disk else staging.bad_id_word(), capturing)
         decode = decode_blocks_triton if table.row_format.is_block else decode_rows_triton
-        decode(rows, table.row_format, table.scale, out.view(n, table.cols), status=status)
+        decode(rows, table.row_format, scale, out.view(n, table.cols), status=status)
     return out
 
 

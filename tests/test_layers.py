@@ -76,10 +76,12 @@ def requests_batch(seed: int, num_tokens: int = 40, num_requests: int = 4):
 
 
 def ngram_reference(raw: np.ndarray, hashing: NGramHashing, batch, dtype) -> torch.Tensor:
+    """The reference model's rows: the values and the F32 scale cast to
+    ``dtype``, multiplied there (NGramEmbedding's default, round_scale=True)."""
     ids = hashing.row_ids(*batch).numpy()
-    values = torch.from_numpy(raw[ids]).view(torch.float8_e4m3fn).to(torch.float32)
-    scale = torch.tensor(SCALE, dtype=torch.float32).item()
-    return (values * scale).to(dtype).reshape(len(ids), -1)
+    values = torch.from_numpy(raw[ids]).view(torch.float8_e4m3fn).to(dtype)
+    scale = torch.tensor(SCALE, dtype=torch.float32).to(dtype)
+    return (values * scale).reshape(len(ids), -1)
 
 
 @pytest.fixture(scope="module")
