@@ -52,10 +52,15 @@ built for the installed torch); the text-only class needs neither.
 
 FP8 tables: ple multiplies FP8 rows by their ``weight_scale``, as
 transformers' ``FP8Embedding`` does when the config's ``quantization_config``
-converts the module.  Where it does not (``Qwen4ExpForCausalLM`` given a
-multimodal FP8 checkpoint directly: transformers drops that checkpoint's
-``quantization_config`` and loads the values unscaled, a transformers bug;
-or a checkpoint with a scale and no ``quantization_config``), ple's outputs
+converts the module, and with its arithmetic: in the model's dtype, by the
+scale cast to that dtype (its loader casts the F32 ``weight_scale``), so
+``values.to(dtype) * scale.to(dtype)`` (``round_scale=True``, the default of
+:func:`from_pretrained` and :func:`offload`; ``round_scale=False`` gives the
+float32 product cast to the dtype instead).  Where it does not convert it
+(``Qwen4ExpForCausalLM`` given a multimodal FP8 checkpoint directly:
+transformers drops that checkpoint's ``quantization_config`` and loads the
+values unscaled, a transformers bug; or a checkpoint with a scale and no
+``quantization_config``), ple's outputs
 are those of the multimodal class and of ``AutoModelForCausalLM``, not of
 ``model_class.from_pretrained`` alone, and a warning says so.
 
@@ -127,9 +132,9 @@ class ScaledDiskEmbedding(DiskEmbedding):
     def __init__(self, table: Table, dtype: torch.dtype | None = None, *,
                  embed_scale: torch.Tensor | float, scalar_embed_scale: float | None = None,
                  padding_idx: int | None = None, device: torch.device | str | None = None,
-                 process_group=None):
+                 process_group=None, round_scale: bool = False):
         super().__init__(table, dtype, padding_idx=padding_idx, device=device,
-                         process_group=process_group)
+                         process_group=process_group, round_scale=round_scale)
         if isinstance(embed_scale, torch.Tensor):
             self.register_buffer("embed_scale", embed_scale, persistent=False)
         elif isinstance(embed_scale, float):
@@ -171,14 +176,17 @@ def close_tables(model: nn.Module) -> None:
 
 
 def from_pretrained(model_class, path: str | os.PathLike, *, offload: str | Iterable[str] = "auto",
-                    gather_config: GatherConfig | None = None, process_group=None, **kwargs):
+                    gather_config: GatherConfig | None = None, process_group=None,
+                    round_scale: bool = True, **kwargs):
     """``model_class.from_pretrained(path, **kwargs)`` with the tables of
     ``offload`` ("auto", or module names such as ``"model.embed_tokens"``)
     left in the checkpoint's files and served by ple, each table opened with
     ``gather_config`` and split by rows across the ranks of
     ``process_group`` when given (a ``torch.distributed`` group, which must
     exist before the call: with ``tp_plan``, initialize the default group
-    first and transformers uses it).
+    first and transformers uses it).  ``round_scale``: the arithmetic of
+    FP8, U8 and I8 tables (:class:`ple.layers.DiskEmbedding`'s); True is
+    that of transformers' ``FP8Embedding``.
 
     ``model_class`` is a transformers model class or an auto class
     (``AutoModelForCausalLM``, ...), which is resolved as transformers
@@ -218,7 +226,7 @@ def from_pretrained(model_class, path: str | os.PathLike, *, offload: str | Iter
 
     def swap_in(model):
         where = _Keys(model, entries, files, kwargs.get("key_mapping"))
-        swapped = _swap(model, where, offload, gather_config, process_group)
+        swapped = _swap(model, where, offload, gather_config, process_group, round_scale)
         opened.extend(module for module, _ in swapped.values())
         found.update({name: tensor for name, (_, tensor) in swapped.items()})
         if isinstance(offload, str) and offload == "auto":
@@ -246,7 +254,8 @@ def from_pretrained(model_class, path: str | os.PathLike, *, offload: str | Iter
 
 def offload(model: nn.Module, path: str | os.PathLike | Iterable[str | os.PathLike],
             names: str | Iterable[str] = "auto", *, gather_config: GatherConfig | None = None,
-            key_mapping: dict[str, str] | None = None, process_group=None) -> dict[str, Table]:
+            key_mapping: dict[str, str] | None = None, process_group=None,
+            round_scale: bool = True) -> dict[str, Table]:
     """Swaps the embeddings ``names`` ("auto", or module names) of a model
     already built, on the meta device or not, for :class:`DiskEmbedding`
     modules over their tables in the checkpoint ``path`` (a directory as for
@@ -254,7 +263,7 @@ def offload(model: nn.Module, path: str | os.PathLike | Iterable[str | os.PathLi
     are on the old weights' device (the CPU for a meta weight).  Returns the
     tables it opened by module name, and records them in
     ``model.ple_offloaded`` as :func:`from_pretrained` does.  ``process_group``
-    as for :func:`from_pretrained`; a model that transformers has already
+    and ``round_scale`` as for :func:`from_pretrained`; a model that transformers has already
     distributed keeps the tensor-parallel hooks it installed, so offload
     before distributing it."""
     if isinstance(path, (str, os.PathLike)) and Path(path).is_dir():
@@ -266,7 +275,7 @@ def offload(model: nn.Module, path: str | os.PathLike | Iterable[str | os.PathLi
             if not file.is_file():
                 raise FileNotFoundError(f"{file}: no such checkpoint file")
     where = _Keys(model, read_checkpoint_entries(files), files, key_mapping)
-    swapped = _swap(model, where, names, gather_config, process_group)
+    swapped = _swap(model, where, names, gather_config, process_group, round_scale)
     offloaded = dict(getattr(model, "ple_offloaded", None) or {})
     offloaded.update({name: tensor for name, (_, tensor) in swapped.items()})
     model.ple_offloaded = offloaded
@@ -427,7 +436,7 @@ def auto_names(model: nn.Module) -> list[str]:
 
 
 def _swap(model: nn.Module, where: "_Keys", names, gather_config: GatherConfig | None,
-          process_group) -> dict[str, tuple[DiskEmbedding, str]]:
+          process_group, round_scale: bool) -> dict[str, tuple[DiskEmbedding, str]]:
     """Replaces the modules ``names`` of ``model`` with DiskEmbedding modules
     over their checkpoint tensors (found by ``where``), split across
     ``process_group`` (None: not split), and takes them out of the model's
@@ -446,7 +455,7 @@ def _swap(model: nn.Module, where: "_Keys", names, gather_config: GatherConfig |
             tensor, files_of_table, reported = where.table_of(name)
             table = Table.from_safetensors(files_of_table, tensor, gather_config)
             try:
-                replacement = _replacement(name, original, table, process_group)
+                replacement = _replacement(name, original, table, process_group, round_scale)
             except BaseException:
                 table.close()
                 raise
@@ -550,7 +559,8 @@ def _generic(name: str) -> str:
     return re.sub(r"\.\d+(\.|$)", r".*\1", name)
 
 
-def _replacement(name: str, original: nn.Embedding, table: Table, process_group) -> DiskEmbedding:
+def _replacement(name: str, original: nn.Embedding, table: Table, process_group,
+                 round_scale: bool) -> DiskEmbedding:
     want = (original.num_embeddings, original.embedding_dim)
     if (table.num_rows, table.cols) != want:
         raise ValueError(f"{name!r} is an embedding of {want[0]} x {want[1]}, but its table "
@@ -558,7 +568,8 @@ def _replacement(name: str, original: nn.Embedding, table: Table, process_group)
                          f"{table.num_rows} rows of {table.cols}")
     weight = original.weight
     device = weight.device if weight.device.type != "meta" else torch.device("cpu")
-    kwargs = dict(padding_idx=original.padding_idx, device=device, process_group=process_group)
+    kwargs = dict(padding_idx=original.padding_idx, device=device, process_group=process_group,
+                  round_scale=round_scale)
     if _semantics(name, original) == "plain":
         return DiskEmbedding(table, weight.dtype, **kwargs)
     scale = original.embed_scale
