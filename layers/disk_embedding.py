@@ -79,7 +79,9 @@ class DiskEmbedding(PlacesServedRows, torch.nn.Module):
                          dtype: torch.dtype | None = None, config: GatherConfig | None = None,
                          scale: float | None = None, **kwargs) -> "DiskEmbedding":
         """Opens ``tensor`` (a 2-D tensor, or a shard family prefix) of
-        ``paths`` as with ``ple.Table.from_safetensors``; the table is closed
+        ``paths`` as with ``ple.Table.from_safetensors`` (``model.x`` is found
+        as ``model.language_model.x`` too, as a published multimodal
+        checkpoint names it, and the other way round); the table is closed
         again if the module cannot be made."""
         table = Table.from_safetensors(paths, tensor, config, scale=scale)
         return cls._owning(table, dtype, kwargs)
