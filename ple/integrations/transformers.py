@@ -84,7 +84,11 @@ so a table is whole on every rank without ``process_group``, split by rows
 with it.
 
 ``save_pretrained`` of such a model writes it without the offloaded tables
-(they are not parameters): keep the original checkpoint.
+(they are not parameters): keep the original checkpoint.  Into a directory
+that holds any of its tables' files it raises ``ValueError`` before writing
+anything, naming the tables: transformers' save_pretrained overwrites
+``model.safetensors`` and deletes the shards of an earlier save that it
+does not write again, which would take the tables' files.
 """
 
 from __future__ import annotations
@@ -93,6 +97,7 @@ import json
 import logging
 import os
 import re
+import weakref
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -175,6 +180,71 @@ def close_tables(model: nn.Module) -> None:
             module.close()
 
 
+class _SavePretrained:
+    """``model.save_pretrained`` of a model with ple tables (an attribute of
+    the model: from_pretrained gives it back as its own transformers class):
+    refuses a directory holding any of the tables' files, then saves as the
+    class does.  It holds its model by a weak reference, so the model is
+    freed, and its tables closed, as soon as it is dropped; a pickled or
+    deep-copied model gets one bound to the copy."""
+
+    def __init__(self, model: nn.Module):
+        self._model = weakref.ref(model)
+        self.__doc__ = type(model).save_pretrained.__doc__
+
+    def __call__(self, save_directory: str | os.PathLike, *args, **kwargs):
+        model = self._model()
+        _refuse_saving_over_tables(model, save_directory)
+        return type(model).save_pretrained(model, save_directory, *args, **kwargs)
+
+    def __reduce__(self):
+        return _SavePretrained, (self._model(),)
+
+    def __deepcopy__(self, memo):
+        model = self._model()
+        return _SavePretrained(memo.get(id(model), model))
+
+
+def _guard_save_pretrained(model: nn.Module) -> None:
+    """Gives a transformers model with ple tables its guarded save_pretrained."""
+    if callable(getattr(type(model), "save_pretrained", None)) and not isinstance(
+            vars(model).get("save_pretrained"), _SavePretrained):
+        model.save_pretrained = _SavePretrained(model)
+
+
+def _refuse_saving_over_tables(model: nn.Module, save_directory: str | os.PathLike) -> None:
+    """Raises ValueError when ``save_directory`` is the directory of any of
+    ``model``'s tables' files (by os.path.samefile: a symlink or another
+    spelling of it too; a file's own directory and, behind a symlink such as
+    huggingface_hub's cache has, its target's)."""
+    if not os.path.isdir(save_directory):
+        return
+    served = []
+    for name, table in tables(model).items():
+        homes = {Path(p).parent for p in table.paths} | {Path(os.path.realpath(p)).parent
+                                                          for p in table.paths}
+        if any(_same_directory(save_directory, home) for home in homes):
+            served.append(name)
+    if not served:
+        return
+    served.sort()
+    shown = ", ".join(served[:3]) + (f" and {len(served) - 3} more" if len(served) > 3 else "")
+    raise ValueError(
+        f"save_pretrained: {save_directory} holds the files of {len(served)} of this model's ple "
+        f"table{'' if len(served) == 1 else 's'} ({shown}), which ple serves from there; "
+        "transformers' save_pretrained would overwrite or delete them (it writes "
+        "model.safetensors, and deletes the shards of an earlier save that it does not write "
+        "again). Save into another directory: the model is saved without its offloaded tables, "
+        "so keep this checkpoint too")
+
+
+def _same_directory(a: str | os.PathLike, b: str | os.PathLike) -> bool:
+    try:
+        return os.path.samefile(a, b)
+    except OSError:  # b is gone: compare the names
+        return os.path.realpath(a) == os.path.realpath(b)
+
+
 def from_pretrained(model_class, path: str | os.PathLike, *, offload: str | Iterable[str] = "auto",
                     gather_config: GatherConfig | None = None, process_group=None,
                     round_scale: bool = True, **kwargs):
@@ -248,6 +318,8 @@ def from_pretrained(model_class, path: str | os.PathLike, *, offload: str | Iter
         if isinstance(module, ScaledDiskEmbedding):
             module.reset_scale()
     model.ple_offloaded = found
+    if found:
+        _guard_save_pretrained(model)
     _report(found, model, directory, offload)
     return loaded
 
@@ -279,6 +351,8 @@ def offload(model: nn.Module, path: str | os.PathLike | Iterable[str | os.PathLi
     offloaded = dict(getattr(model, "ple_offloaded", None) or {})
     offloaded.update({name: tensor for name, (_, tensor) in swapped.items()})
     model.ple_offloaded = offloaded
+    if offloaded:
+        _guard_save_pretrained(model)
     _report({name: tensor for name, (_, tensor) in swapped.items()}, model, files[0].parent, names)
     return {name: module.table for name, (module, _) in swapped.items()}
 

@@ -1,0 +1,154 @@
+"""save_pretrained of a model that ple.integrations.transformers.from_pretrained
+loaded refuses the directory its tables are served from (transformers would
+overwrite model.safetensors and delete the shards it does not write again),
+before writing anything, and saves elsewhere as before: the model without
+its offloaded tables.  The guard survives pickling and deepcopy, bound to
+the copy, and keeps no reference cycle (the model is freed, its tables
+closed, once dropped)."""
+
+from __future__ import annotations
+
+import copy
+import gc
+import io
+import shutil
+import weakref
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("transformers.models.qwen4_exp", reason="transformers has no Qwen4Exp")
+
+from safetensors import safe_open  # noqa: E402
+from transformers import (Gemma3nForCausalLM, Gemma3nTextConfig, Qwen4ExpForCausalLM,  # noqa: E402
+                          Qwen4ExpTextConfig)
+
+from helpers import directory_bytes  # noqa: E402
+from ple.integrations.transformers import from_pretrained, tables  # noqa: E402
+from ple_tools.bench_transformers import MODEL_CONFIG  # noqa: E402
+
+QWEN_CONFIG = {**MODEL_CONFIG, "vocab_size": 256, "hidden_size": 64, "linear_key_head_dim": 16,
+               "linear_value_head_dim": 16, "moe_intermediate_size": 32,
+               "shared_expert_intermediate_size": 32, "hc_lowrank": 8, "ple_embed_dim": 32,
+               "ngram_vocab_size_base": 1000, "split_ngram_parts": 4}
+GEMMA_CONFIG = dict(
+    vocab_size=256, vocab_size_per_layer_input=128, hidden_size=64, hidden_size_per_layer_input=8,
+    intermediate_size=128, num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=1,
+    head_dim=32, num_kv_shared_layers=2, laurel_rank=8, sliding_window=16,
+    layer_types=["sliding_attention", "full_attention"] * 2, activation_sparsity_pattern=[0.0] * 4,
+    altup_num_inputs=2, max_position_embeddings=128, tie_word_embeddings=False)
+# Qwen4Exp in shards (transformers deletes the ones it does not write
+# again), Gemma 3n in one model.safetensors (transformers overwrites it).
+MODELS = {"qwen4exp": (Qwen4ExpForCausalLM, Qwen4ExpTextConfig, QWEN_CONFIG, {"max_shard_size": "64KB"}),
+          "gemma3n": (Gemma3nForCausalLM, Gemma3nTextConfig, GEMMA_CONFIG, {})}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def quiet_transformers():
+    verbosity = transformers.logging.get_verbosity()
+    transformers.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    yield
+    transformers.logging.set_verbosity(verbosity)
+    transformers.utils.logging.enable_progress_bar()
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """{model: directory}: each tiny model saved with save_pretrained."""
+    directories = {}
+    for key, (model_class, config_class, fields, options) in MODELS.items():
+        torch.manual_seed(0)
+        directory = tmp_path_factory.mktemp(key)
+        model_class(config_class(**fields)).save_pretrained(directory, **options)
+        directories[key] = directory
+    assert len(list(directories["qwen4exp"].glob("*.safetensors"))) > 2
+    assert [p.name for p in directories["gemma3n"].glob("*.safetensors")] == ["model.safetensors"]
+    return directories
+
+
+@pytest.fixture
+def checkpoint(saved, tmp_path, request):
+    """A copy of a saved model's directory, and the model loaded from it."""
+    key = request.param
+    directory = tmp_path / "checkpoint"
+    shutil.copytree(saved[key], directory)
+    model = from_pretrained(MODELS[key][0], directory)
+    assert tables(model)
+    yield directory, model
+
+
+def refusal(directory, names: list[str]) -> str:
+    shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+    one = len(names) == 1
+    return (f"save_pretrained: {directory} holds the files of {len(names)} of this model's ple "
+            f"table{'' if one else 's'} ({shown}), which ple serves from there; transformers' "
+            "save_pretrained would overwrite or delete them (it writes model.safetensors, and "
+            "deletes the shards of an earlier save that it does not write again). Save into "
+            "another directory: the model is saved without its offloaded tables, so keep this "
+            "checkpoint too")
+
+
+@pytest.mark.parametrize("checkpoint", sorted(MODELS), indirect=True)
+def test_saving_into_the_tables_directory_is_refused(checkpoint):
+    directory, model = checkpoint
+    before = directory_bytes(directory)
+    names = sorted(tables(model))
+    with pytest.raises(ValueError) as error:
+        model.save_pretrained(directory)
+    assert str(error.value) == refusal(directory, names)
+    assert directory_bytes(directory) == before
+
+
+@pytest.mark.parametrize("checkpoint", ["qwen4exp"], indirect=True)
+def test_the_same_directory_by_another_path_is_refused(checkpoint, tmp_path):
+    """A symlink to the directory, or the path with a ``..`` in it."""
+    directory, model = checkpoint
+    before = directory_bytes(directory)
+    (tmp_path / "link").symlink_to(directory)
+    (tmp_path / "sub").mkdir()
+    for other in (tmp_path / "link", tmp_path / "sub" / ".." / "checkpoint"):
+        with pytest.raises(ValueError) as error:
+            model.save_pretrained(other, max_shard_size="64KB")
+        assert str(error.value) == refusal(other, sorted(tables(model)))
+    assert directory_bytes(directory) == before
+
+
+@pytest.mark.parametrize("checkpoint", sorted(MODELS), indirect=True)
+def test_saving_elsewhere_writes_the_model_without_its_tables(checkpoint, tmp_path):
+    directory, model = checkpoint
+    out = tmp_path / "out"
+    model.save_pretrained(out)
+    keys = set()
+    for file in out.glob("*.safetensors"):
+        with safe_open(file, "pt") as f:
+            keys.update(f.keys())
+    assert keys and not any("ngram_embedding" in key or "embed_tokens_per_layer" in key
+                            for key in keys)
+    assert (out / "config.json").is_file()
+
+
+def test_copies_refuse_too_and_nothing_keeps_the_model_alive(saved, tmp_path):
+    directory = tmp_path / "checkpoint"
+    shutil.copytree(saved["qwen4exp"], directory)
+    model = from_pretrained(Qwen4ExpForCausalLM, directory)
+    names = sorted(tables(model))
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    copies = [copy.deepcopy(model), torch.load(buffer, weights_only=False)]
+    for other in copies:
+        assert type(other) is Qwen4ExpForCausalLM
+        with pytest.raises(ValueError) as error:
+            other.save_pretrained(directory)
+        assert str(error.value) == refusal(directory, names)
+        other.save_pretrained(tmp_path / f"out{len(names)}")  # elsewhere: saved
+    del copies, other
+    alive = weakref.ref(model)
+    gc.disable()
+    try:
+        del model
+        assert alive() is None
+    finally:
+        gc.enable()
