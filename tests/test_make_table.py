@@ -220,3 +220,40 @@ def test_every_table_tool_refuses_a_saved_model(tool, options, tmp_path, capsys)
     assert err.endswith(
         f"error: {foreign_files_message(tmp_path, ['model.safetensors', 'notes.txt'])}\n"), err
     assert directory_bytes(tmp_path) == before
+
+
+def test_bench_transformers_refuses_a_saved_model(tmp_path, capsys):
+    """``ple-bench-transformers --dir DIR`` writes its checkpoint by the same
+    rule (its ple_bench.json lists the files)."""
+    from ple_tools import bench_transformers
+
+    save_a_model(tmp_path)
+    before = directory_bytes(tmp_path)
+    assert bench_transformers.main(["--dir", str(tmp_path), "--table-gib", "0.001"]) == 2
+    err = capsys.readouterr().err
+    assert err == (f"error: {foreign_files_message(tmp_path, ['model.safetensors', 'notes.txt'], 'ple_bench.json')}"
+                   "\n")
+    assert directory_bytes(tmp_path) == before
+
+
+def test_bench_transformers_reuses_an_older_checkpoint(tmp_path):
+    """An older ple_bench.json (no file list, written last) names its files
+    by its tables and shards: the checkpoint is reused, and a file beside
+    it is refused."""
+    import torch
+
+    from ple_tools import bench_transformers
+
+    info = {"table_bytes": 160, "tables": {"model.layers.1.ple.ngram_embedding": [10, 8]},
+            "dtype": "bfloat16", "requested_bytes": 1000.0, "ple_layers": 1, "shards": 2, "seed": 0}
+    for name in ["model-layers-1-ple-ngram_embedding-00000.safetensors",
+                 "model-layers-1-ple-ngram_embedding-00001.safetensors", "model-small.safetensors",
+                 "model.safetensors.index.json", "config.json"]:
+        (tmp_path / name).write_text("")
+    (tmp_path / "ple_bench.json").write_text(json.dumps(info))
+    assert bench_transformers.ensure_checkpoint(tmp_path, 1000.0, torch.bfloat16, 1) == info
+    (tmp_path / "model.safetensors").write_text("")
+    with pytest.raises(ForeignFilesError) as error:
+        bench_transformers.ensure_checkpoint(tmp_path, 1000.0, torch.bfloat16, 1)
+    assert str(error.value) == foreign_files_message(tmp_path, ["model.safetensors"],
+                                                     "ple_bench.json")

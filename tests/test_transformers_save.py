@@ -152,3 +152,26 @@ def test_copies_refuse_too_and_nothing_keeps_the_model_alive(saved, tmp_path):
         assert alive() is None
     finally:
         gc.enable()
+
+
+def test_bench_checkpoint_lists_exactly_its_files(tmp_path):
+    """tools/bench_transformers.py's checkpoint: its ple_bench.json lists
+    every file it wrote and nothing else is there; reused for the same size,
+    replaced without a stray file for another (shards of other names)."""
+    import json
+
+    from ple_tools import bench_transformers as bench
+
+    directory = tmp_path / "ckpt"
+    info = bench.ensure_checkpoint(directory, 0.001 * 2**30, torch.bfloat16, ple_layers=2)
+    marker = json.loads((directory / "ple_bench.json").read_text())
+    assert marker["written_by"] == "ple-bench-transformers" and marker["complete"] is True
+    assert sorted(p.name for p in directory.iterdir()) == sorted([*marker["files"], "ple_bench.json"])
+    assert len(marker["files"]) == 2 * 8 + 3
+    written = {p.name: p.stat().st_mtime_ns for p in directory.iterdir()}
+    assert bench.ensure_checkpoint(directory, 0.001 * 2**30, torch.bfloat16, ple_layers=2) == info
+    assert {p.name: p.stat().st_mtime_ns for p in directory.iterdir()} == written
+    bench.ensure_checkpoint(directory, 0.001 * 2**30, torch.bfloat16, ple_layers=1)
+    marker = json.loads((directory / "ple_bench.json").read_text())
+    assert len(marker["files"]) == 8 + 3
+    assert sorted(p.name for p in directory.iterdir()) == sorted([*marker["files"], "ple_bench.json"])
