@@ -27,9 +27,10 @@ def test_bench_layers_runs_on_a_small_table(tmp_path):
 def test_bench_layers_refuses_a_directory_holding_a_model(tmp_path):
     save_a_model(tmp_path)
     before = directory_bytes(tmp_path)
-    run = subprocess.run([sys.executable, str(TOOL), "--table", str(tmp_path), "--table-gib", "0.01"],
-                         capture_output=True, text=True, timeout=300)
+    run = subprocess.run(
+        [sys.executable, str(TOOL), "--table", str(tmp_path), "--table-gib", "0.01"],
+        capture_output=True, text=True, timeout=300)
     assert (run.returncode, run.stdout) == (2, ""), run.stderr
-    assert run.stderr == (f"error: {foreign_files_message(tmp_path, ['model.safetensors', 'notes.txt'])}"
-                          "\n")
+    message = foreign_files_message(tmp_path, ["model.safetensors", "notes.txt"])
+    assert run.stderr == f"error: {message}\n"
     assert directory_bytes(tmp_path) == before

@@ -199,7 +199,8 @@ def test_the_command_line_says_so_and_exits_2(tmp_path):
     run = subprocess.run([sys.executable, str(REPO / "tools" / "make_table.py"), str(tmp_path),
                           "--mib", "0.01"], capture_output=True, text=True, timeout=120)
     assert (run.returncode, run.stdout) == (2, "")
-    assert run.stderr == f"error: {foreign_files_message(tmp_path, ['model.safetensors', 'notes.txt'])}\n"
+    message = foreign_files_message(tmp_path, ["model.safetensors", "notes.txt"])
+    assert run.stderr == f"error: {message}\n"
     assert directory_bytes(tmp_path) == before
 
 
@@ -231,8 +232,8 @@ def test_bench_transformers_refuses_a_saved_model(tmp_path, capsys):
     before = directory_bytes(tmp_path)
     assert bench_transformers.main(["--dir", str(tmp_path), "--table-gib", "0.001"]) == 2
     err = capsys.readouterr().err
-    assert err == (f"error: {foreign_files_message(tmp_path, ['model.safetensors', 'notes.txt'], 'ple_bench.json')}"
-                   "\n")
+    message = foreign_files_message(tmp_path, ["model.safetensors", "notes.txt"], "ple_bench.json")
+    assert err == f"error: {message}\n"
     assert directory_bytes(tmp_path) == before
 
 

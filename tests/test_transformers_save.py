@@ -40,7 +40,8 @@ GEMMA_CONFIG = dict(
     altup_num_inputs=2, max_position_embeddings=128, tie_word_embeddings=False)
 # Qwen4Exp in shards (transformers deletes the ones it does not write
 # again), Gemma 3n in one model.safetensors (transformers overwrites it).
-MODELS = {"qwen4exp": (Qwen4ExpForCausalLM, Qwen4ExpTextConfig, QWEN_CONFIG, {"max_shard_size": "64KB"}),
+MODELS = {"qwen4exp": (Qwen4ExpForCausalLM, Qwen4ExpTextConfig, QWEN_CONFIG,
+                       {"max_shard_size": "64KB"}),
           "gemma3n": (Gemma3nForCausalLM, Gemma3nTextConfig, GEMMA_CONFIG, {})}
 
 
@@ -166,7 +167,8 @@ def test_bench_checkpoint_lists_exactly_its_files(tmp_path):
     info = bench.ensure_checkpoint(directory, 0.001 * 2**30, torch.bfloat16, ple_layers=2)
     marker = json.loads((directory / "ple_bench.json").read_text())
     assert marker["written_by"] == "ple-bench-transformers" and marker["complete"] is True
-    assert sorted(p.name for p in directory.iterdir()) == sorted([*marker["files"], "ple_bench.json"])
+    assert sorted(p.name for p in directory.iterdir()) == sorted(
+        [*marker["files"], "ple_bench.json"])
     assert len(marker["files"]) == 2 * 8 + 3
     written = {p.name: p.stat().st_mtime_ns for p in directory.iterdir()}
     assert bench.ensure_checkpoint(directory, 0.001 * 2**30, torch.bfloat16, ple_layers=2) == info
@@ -174,4 +176,5 @@ def test_bench_checkpoint_lists_exactly_its_files(tmp_path):
     bench.ensure_checkpoint(directory, 0.001 * 2**30, torch.bfloat16, ple_layers=1)
     marker = json.loads((directory / "ple_bench.json").read_text())
     assert len(marker["files"]) == 8 + 3
-    assert sorted(p.name for p in directory.iterdir()) == sorted([*marker["files"], "ple_bench.json"])
+    assert sorted(p.name for p in directory.iterdir()) == sorted(
+        [*marker["files"], "ple_bench.json"])
