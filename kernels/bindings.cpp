@@ -4,8 +4,11 @@
 // in Python (ops/), on top of these.
 #include <pthread.h>
 #include <torch/extension.h>
+#include <unistd.h>
 
 #include <atomic>
+#include <cstdlib>
+#include <exception>
 
 #include "host_gather.h"
 #include "counters.h"
@@ -26,6 +29,35 @@ namespace {
 std::atomic<unsigned long> main_thread{0};
 const int main_thread_after_fork =
     ::pthread_atfork(nullptr, nullptr, [] { main_thread.store(PyThread_get_thread_ident()); });
+
+// CPython before 3.14 ends a thread that takes the GIL back during the
+// interpreter's finalization (a daemon thread coming back from a gather, or
+// from any torch call that released the GIL) with pthread_exit.  Its
+// unwinding cannot leave the noexcept destructor that was taking the GIL
+// back (pybind11's gil_scoped_release, ple's and torch's alike), so
+// std::terminate runs, and the process aborts instead of exiting with the
+// status sys.exit gave.  Such a thread waits here instead, as CPython 3.14
+// makes it wait itself, until the finalizing thread (Python's main thread)
+// ends the process; every other std::terminate goes to the handler that was
+// there before.
+std::terminate_handler terminate_before_ple = nullptr;
+
+bool python_finalizing() {
+#if PY_VERSION_HEX >= 0x030D0000
+  return Py_IsFinalizing();
+#else
+  return _Py_IsFinalizing();
+#endif
+}
+
+[[noreturn]] void park_threads_ended_by_finalization() {
+  if (std::current_exception() == nullptr && python_finalizing() &&
+      PyThread_get_thread_ident() != main_thread.load()) {
+    for (;;) ::pause();
+  }
+  if (terminate_before_ple != nullptr) terminate_before_ple();
+  std::abort();
+}
 
 // Whether a signal handler raised during this thread's gather.
 thread_local bool handler_raised = false;
@@ -195,6 +227,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("IO_MODES") = choice_names(ple::kIoModes);
   m.attr("COUNTERS") = py::cast(ple::counter_meanings());  // [(name, meaning)], stats()'s order
   main_thread.store(py::module_::import("threading").attr("main_thread")().attr("ident").cast<unsigned long>());
+  if (std::get_terminate() != &park_threads_ended_by_finalization) {
+    terminate_before_ple = std::set_terminate(&park_threads_ended_by_finalization);
+  }
   m.def("open_table", &open_table, "Maps a table's shards; returns its handle");
   // Without the GIL: closing waits for the table's prefetch thread to stop.
   m.def("close_table", &ple::unregister_table, py::call_guard<py::gil_scoped_release>(),

@@ -70,10 +70,15 @@ struct DirectRead {
 
 // What read_direct keeps from call to call, one for each gather that runs at
 // once (in its GatherScratch): a call allocates none of its per-row memory
-// once the table has served calls of its size.
+// once the table has served calls of its size, and a call that needed more
+// than the gather keeps (row_gather.h) frees it at its end.
 struct DirectScratch {
   std::vector<PlacedRow> placed;   // the rows to read, in file order
   std::vector<DirectRead> reads;   // in file order
+
+  uint64_t bytes() const {
+    return placed.capacity() * sizeof(PlacedRow) + reads.capacity() * sizeof(DirectRead);
+  }
 };
 
 struct DirectCounters {

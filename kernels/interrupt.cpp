@@ -1,5 +1,7 @@
 #include "interrupt.h"
 
+#include "worker_pool.h"
+
 namespace ple {
 
 namespace {
@@ -25,7 +27,13 @@ void Interruption::poll_if_due() {
   }
   const auto now = std::chrono::steady_clock::now();
   if (now < next_poll_) return;
-  if (poll_()) stopped_.store(true, std::memory_order_relaxed);
+  {
+    // A poll may wait for anything (a Python signal handler that joins a
+    // gathering thread): no other gather waits for this one's turn at the
+    // pool meanwhile.
+    YieldedTurn yielded;
+    if (poll_()) stopped_.store(true, std::memory_order_relaxed);
+  }
   next_poll_ = std::chrono::steady_clock::now() + kPollInterval;
 }
 

@@ -4,7 +4,9 @@
 // The native part knows nothing of Python: the thread that starts a gather
 // may set a poll function (ScopedPoll) that the gather calls now and then on
 // that thread alone (never on the pool's threads, never on a CUDA host
-// function's), and that says whether to stop.  Another thread may cancel a
+// function's), and that says whether to stop.  While a poll runs, the
+// gather's turn at the worker pool holds no other gather back
+// (YieldedTurn, worker_pool.h): a poll may wait for other threads.  Another thread may cancel a
 // gather through a flag.  Either way every thread of the gather sees it
 // within kCheckRows rows and the gather throws Interrupted.
 #pragma once

@@ -63,6 +63,7 @@ class ScratchArray {
     return data_.get();
   }
   T* data() const { return data_.get(); }
+  uint64_t bytes() const { return capacity_ * sizeof(T); }
 
  private:
   std::unique_ptr<T[]> data_;
@@ -119,6 +120,11 @@ struct Part {
   int64_t rest() const { return end - rest_begin(); }
 };
 
+template <typename T>
+uint64_t bytes_of(const std::vector<T>& v) {
+  return v.capacity() * sizeof(T);
+}
+
 // What a ChunkGather of the sorted path keeps between gathers.
 struct ChunkScratch {
   std::vector<uintptr_t> pages;
@@ -126,7 +132,20 @@ struct ChunkScratch {
   std::vector<uint8_t> state;
   std::vector<uint8_t> known;  // PageResidency's answers
   std::vector<unsigned char> mincore_vector;
+
+  uint64_t bytes() const {
+    return bytes_of(pages) + first_page.bytes() + bytes_of(state) + bytes_of(known) +
+           bytes_of(mincore_vector);
+  }
 };
+
+// The most scratch a gather's arrays keep for the next gather: what a call
+// of about 1,000,000 warm rows needs (16 B a row: the row list), or of
+// 300,000 cold ones (about 50 B a row with the sorted list and the page
+// lists), or of 200,000 direct reads (80 B a row with the read plan).  A
+// call that needed more frees all of its scratch when it ends: one huge
+// request must not hold hundreds of MiB until the table closes.
+constexpr uint64_t kKeptScratchBytes = 16ull << 20;
 
 }  // namespace
 
@@ -147,6 +166,16 @@ struct GatherScratch {
   // The last gather through this scratch copied every row in request order
   // without a major fault (see kUnsampledRows).
   bool last_gather_warm = false;
+
+  // What the arrays sized by the request hold (not the marks, which are
+  // sized by the table and backed only where marked).
+  uint64_t request_bytes() const {
+    uint64_t bytes = bytes_of(parts) + rows.bytes() + sorted.bytes() + bucket_slots.bytes() +
+                     bucket_start.bytes() + bytes_of(range_first) + bytes_of(chunk_starts) +
+                     bytes_of(chunks) + bytes_of(chunk_counters) + direct.bytes();
+    for (const ChunkScratch& chunk : chunks) bytes += chunk.bytes();
+    return bytes;
+  }
 };
 
 GatherScratchPool::GatherScratchPool() = default;
@@ -171,7 +200,9 @@ void GatherScratchPool::give_back(std::unique_ptr<GatherScratch> scratch) noexce
 
 namespace {
 
-// A gather's scratch, taken from its table's pool for the gather.
+// A gather's scratch, taken from its table's pool for the gather and given
+// back after it, unless it grew past kKeptScratchBytes: then it is freed
+// (the next gather makes a new one).
 class ScratchLease {
  public:
   explicit ScratchLease(MappedTable& table)
@@ -179,7 +210,9 @@ class ScratchLease {
     if (!scratch_) scratch_ = std::make_unique<GatherScratch>(table);
     scratch_->marks.start_gather();
   }
-  ~ScratchLease() { pool_.give_back(std::move(scratch_)); }
+  ~ScratchLease() {
+    if (scratch_->request_bytes() <= kKeptScratchBytes) pool_.give_back(std::move(scratch_));
+  }
   ScratchLease(const ScratchLease&) = delete;
   ScratchLease& operator=(const ScratchLease&) = delete;
   GatherScratch& operator*() const { return *scratch_; }

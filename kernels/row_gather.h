@@ -27,7 +27,9 @@ struct RowRef {
 struct GatherScratch;
 
 // A table's gather scratch, one for each gather that runs at once, so that
-// a call allocates nothing once the table has served calls of its size.
+// a call allocates nothing once the table has served calls of its size; a
+// scratch that a call grew past a bound (kKeptScratchBytes, 16 MiB, in
+// row_gather.cpp) is freed when that call ends instead.
 class GatherScratchPool {
  public:
   GatherScratchPool();  // both in row_gather.cpp, where GatherScratch is complete

@@ -60,15 +60,28 @@ struct Job {
   }
 };
 
+class WorkerPool;
+
+// The pool whose turn this thread holds while a call of it runs there.
+thread_local WorkerPool* turn_held = nullptr;
+
 class WorkerPool {
  public:
   // At most Job::kMaxTasks tasks: run_parallel splits larger counts.
-  void run(int count, const std::function<void(int)>& task, const std::function<void()>& idle) {
-    std::lock_guard<std::mutex> one_job(job_mutex_);
+  // Returns false, having run nothing, when the caller whose turn it is
+  // yielded it: the tasks are then the caller's to run.
+  bool run(int count, const std::function<void(int)>& task, const std::function<void()>& idle) {
+    if (!take_turn()) return false;
     inside_job = true;
+    turn_held = this;
     struct Leave {
-      ~Leave() { inside_job = false; }
-    } leave;
+      WorkerPool& pool;
+      ~Leave() {
+        inside_job = false;
+        turn_held = nullptr;
+        pool.end_turn();
+      }
+    } leave{*this};
     grow(count - 1);
     // Every worker wakes for every job, and those without a task spin too:
     // more spinning threads than CPUs would slow the ones with work.
@@ -98,9 +111,40 @@ class WorkerPool {
       }
     }
     if (error_) std::rethrow_exception(error_);
+    return true;
+  }
+
+  // Yields the turn (or takes it back, `yielded` false) for YieldedTurn;
+  // returns whether it was yielded before.
+  bool set_yielded(bool yielded) {
+    bool was;
+    {
+      std::lock_guard<std::mutex> lock(turn_mutex_);
+      was = yielded_;
+      yielded_ = yielded;
+    }
+    if (yielded) turn_changed_.notify_all();
+    return was;
   }
 
  private:
+  // Waits for the turn; false when its holder yielded it meanwhile.
+  bool take_turn() {
+    std::unique_lock<std::mutex> lock(turn_mutex_);
+    turn_changed_.wait(lock, [this] { return !busy_ || yielded_; });
+    if (busy_) return false;
+    busy_ = true;
+    return true;
+  }
+
+  void end_turn() {
+    {
+      std::lock_guard<std::mutex> lock(turn_mutex_);
+      busy_ = false;
+    }
+    turn_changed_.notify_one();
+  }
+
   void grow(int workers) {
     while (static_cast<int>(threads_.size()) < workers) {
       try {
@@ -156,8 +200,12 @@ class WorkerPool {
   }
 
   const int cpus_ = available_cpus();
-  std::mutex job_mutex_;  // one job at a time
-  std::mutex mutex_;      // for the sleepers, and error_
+  // One job at a time: busy_ while a caller holds the turn, yielded_ while
+  // that caller lets the others run theirs alone.
+  std::mutex turn_mutex_;
+  std::condition_variable turn_changed_;
+  bool busy_ = false, yielded_ = false;
+  std::mutex mutex_;  // for the sleepers, and error_
   std::condition_variable wake_, done_;
   std::vector<std::thread> threads_;
   const std::function<void(int)>* task_ = nullptr;
@@ -197,14 +245,38 @@ void run_here(int count, const std::function<void(int)>& task) {
   if (first) std::rethrow_exception(first);
 }
 
+// Runs the tasks on this thread as a job of its own: the calls its tasks
+// make run on it too.
+void run_alone(int count, const std::function<void(int)>& task) {
+  inside_job = true;
+  struct Leave {
+    ~Leave() { inside_job = false; }
+  } leave;
+  run_here(count, task);
+}
+
 }  // namespace
 
 void run_parallel(int count, const std::function<void(int)>& task,
                   const std::function<void()>& idle) {
   if (count <= 1 || inside_job) return run_here(count, task);
   for (int first = 0; first < count; first += Job::kMaxTasks) {
-    pool().run(std::min(Job::kMaxTasks, count - first), [&](int i) { task(first + i); }, idle);
+    const int n = std::min(Job::kMaxTasks, count - first);
+    const std::function<void(int)> slice = [&](int i) { task(first + i); };
+    if (!pool().run(n, slice, idle)) run_alone(n, slice);
   }
+}
+
+// turn_held of a forked child's thread names the parent's pool, whose
+// locks the child must not touch.
+YieldedTurn::YieldedTurn() {
+  if (turn_held != nullptr && turn_held == current_pool.load()) {
+    was_yielded_ = turn_held->set_yielded(true);
+  }
+}
+
+YieldedTurn::~YieldedTurn() {
+  if (turn_held != nullptr && turn_held == current_pool.load()) turn_held->set_yielded(was_yielded_);
 }
 
 int available_cpus() {
