@@ -682,11 +682,8 @@ class _Keys:
         self.key_mapping = key_mapping
         # The model's keys before any module is swapped.
         self.state = set(model.state_dict())
-        self._renamed = self._rename_all()
-
-    def renamed(self) -> dict[str, str]:
-        """{checkpoint key: the model key transformers loads it into}."""
-        return self._renamed
+        # {checkpoint key: the model key transformers loads it into}.
+        self.renamed = self._rename_all()
 
     def _rename_all(self) -> dict[str, str]:
         try:
@@ -714,7 +711,7 @@ class _Keys:
         """The tensor or shard family of module ``name``, the files to open
         it from, and the model keys the loader will report unexpected."""
         target = f"{name}.weight"
-        keys = sorted(key for key, new in self.renamed().items() if new == target)
+        keys = sorted(key for key, new in self.renamed.items() if new == target)
         if not keys:
             # Not a transformers model, or no conversion: the names as they are.
             keys = sorted(key for key in self.entries
@@ -736,7 +733,7 @@ class _Keys:
                              "neither one tensor nor one shard family")
         holding = [*keys, scale] if scale in self.entries else keys
         paths = list(dict.fromkeys(self.entries[key].path for key in holding))
-        reported = {target, *(self.renamed().get(key, key) for key in holding)}
+        reported = {target, *(self.renamed.get(key, key) for key in holding)}
         return tensor, paths, reported
 
     def ignore_unexpected(self, keys: set[str]) -> None:
@@ -759,7 +756,7 @@ class _Keys:
         loaded, they would be read whole into memory."""
         served = {f"{name}.weight" for name in swapped}
         left: dict[str, str] = {}
-        for key, target in self._renamed.items():
+        for key, target in self.renamed.items():
             table = _family(key) or key.removesuffix(".weight")
             if (table.rsplit(".", 1)[-1] in AUTO_TABLES and target in self.state
                     and target not in served):
