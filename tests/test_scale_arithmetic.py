@@ -345,7 +345,7 @@ def test_cuda_tiers_round_as_the_disk_rows(tmp_path, dtype):
     raw = table_bytes(seed=6)
     save_file({"emb.weight": torch.from_numpy(raw).view(torch.float8_e4m3fn),
                "emb.weight_scale": torch.tensor([7.3e-5])}, str(tmp_path / "t.safetensors"))
-    with ple.Table.from_safetensors(tmp_path / "t.safetensors", "emb") as table:
+    with ple.Table.from_safetensors(tmp_path / "t.safetensors", "emb.weight") as table:
         table.place(device_rows=10, host_rows=10, device="cuda")
         ids = torch.randint(0, ROWS, (200,), generator=torch.Generator().manual_seed(7))
         got = torch.ops.ple.disk_gather(ids.cuda(), table.handle, dtype, True)
