@@ -137,9 +137,9 @@ class DiskEmbedding(PlacesServedRows, torch.nn.Module):
         if dtype not in DTYPES:  # cast by .to() to a dtype no table's values widen to exactly
             raise TypeError(f"DiskEmbedding gives rows in {DTYPES}, not {dtype}")
         if self.round_scale and self.table.row_format.scaled:
-            raise TypeError(f"DiskEmbedding(round_scale=True) over the {self.table.format} table "
-                            f"{self.table.name!r} gives no {dtype} rows: values.to({dtype}) * scale "
-                            "is exact there, and the rows are gathered in float32")
+            raise TypeError(f"DiskEmbedding(round_scale=True) over the {self.table.format} "
+                            f"table {self.table.name!r} gives no {dtype} rows: values.to({dtype}) "
+                            "* scale is exact there, and the rows are gathered in float32")
         return gather(self.table, ids, torch.float32, self.split).to(dtype)
 
     def prefetch(self, ids: torch.Tensor) -> None:

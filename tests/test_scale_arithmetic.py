@@ -167,7 +167,8 @@ def tables(tmp_path_factory):
             save_file({"emb.shard_0.weight": values[:25].contiguous(),
                        "emb.weight_scale": torch.tensor([scale], dtype=torch.float32)},
                       str(directory / "a.safetensors"))
-            save_file({"emb.shard_1.weight": values[25:].contiguous()}, str(directory / "b.safetensors"))
+            save_file({"emb.shard_1.weight": values[25:].contiguous()},
+                      str(directory / "b.safetensors"))
             opened[name, scale] = ple.Table.from_safetensors(directory, "emb")
     yield raw, opened
     for table in opened.values():
@@ -183,7 +184,8 @@ def test_cpu_operator_equals_the_references(tables, name, dtype, scale, round_sc
     got = torch.ops.ple.disk_gather(ids, table.handle, dtype, round_scale)
     want = numpy_reference(name, raw[ids.numpy()], scale, dtype, round_scale)
     assert_same_bits_but_nan(got, as_torch(want, dtype))
-    assert_same_bits_but_nan(got, torch_reference(name, raw[ids.numpy()], scale, dtype, round_scale))
+    assert_same_bits_but_nan(got, torch_reference(name, raw[ids.numpy()], scale, dtype,
+                                                  round_scale))
     assert_same_bits(ple.gather(table, ids, dtype, round_scale), got)
 
 
@@ -260,7 +262,8 @@ def test_disk_embedding_chooses_its_arithmetic(tables):
     table = opened["fp8_e4m3fn", 1e-3]
     ids = torch.arange(ROWS)
     for round_scale in (False, True):
-        module = DiskEmbedding(table, torch.float32, **({"round_scale": True} if round_scale else {}))
+        chosen = {"round_scale": True} if round_scale else {}  # else the default
+        module = DiskEmbedding(table, torch.float32, **chosen)
         assert module.round_scale is round_scale
         assert ("round_scale=True" in repr(module)) is round_scale
         for dtype in OUTPUT_DTYPES:
@@ -282,7 +285,8 @@ def test_ngram_embedding_defaults_to_the_reference_models_arithmetic(tmp_path):
     rows = NGramHashing(**hashing).rows
     raw = np.random.default_rng(3).integers(0, 256, (rows, 8), dtype=np.uint8)
     save_file({"ngram_embedding.shard_0.weight": torch.from_numpy(raw).view(torch.float8_e4m3fn),
-               "ngram_embedding.weight_scale": torch.tensor([3e-4])}, str(tmp_path / "t.safetensors"))
+               "ngram_embedding.weight_scale": torch.tensor([3e-4])},
+              str(tmp_path / "t.safetensors"))
     tokens = torch.randint(3, 500, (60,), generator=torch.Generator().manual_seed(4))
     for dtype in OUTPUT_DTYPES:
         for kwargs, round_scale in (({}, True), ({"round_scale": False}, False)):
@@ -369,7 +373,8 @@ def test_cuda_graph_and_compile_keep_the_rounding(tables):
     with torch.cuda.graph(graph):
         static_out = f(static_ids)
     for seed in (9, 10):
-        static_ids.copy_(torch.randint(0, ROWS, (64,), generator=torch.Generator().manual_seed(seed)))
+        generator = torch.Generator().manual_seed(seed)
+        static_ids.copy_(torch.randint(0, ROWS, (64,), generator=generator))
         graph.replay()
         torch.cuda.synchronize()
         want = torch_reference("fp8_e4m3fn", raw[static_ids.cpu().numpy()], 3e-4, torch.bfloat16,
