@@ -116,24 +116,24 @@ def test_the_native_side_refuses_what_gather_config_refuses(tmp_path):
     save_file({"t": torch.zeros(10, 4)}, str(f))
     with ple.Table.from_safetensors(f) as table:
         for policy in ple.POLICIES:
-            native.configure(table.handle, *GatherConfig(policy, MAX_PREFETCH_WINDOW_KIB,
+            native.configure(table._native_handle(), *GatherConfig(policy, MAX_PREFETCH_WINDOW_KIB,
                                                          MAX_THREADS)._native_args())
         with pytest.raises(ValueError, match="unknown prefetch policy 'sometimes'"):
-            native.configure(table.handle, "sometimes", 0, 1, 0, 64, 0, "mmap")
+            native.configure(table._native_handle(), "sometimes", 0, 1, 0, 64, 0, "mmap")
         with pytest.raises(ValueError, match=rf"prefetch_window_kib must be at most {MAX_PREFETCH_WINDOW_KIB} KiB, "
                            rf"got {(MAX_PREFETCH_WINDOW_KIB << 10) + 1} bytes$"):
-            native.configure(table.handle, "window", (MAX_PREFETCH_WINDOW_KIB << 10) + 1, 1, 0, 64,
+            native.configure(table._native_handle(), "window", (MAX_PREFETCH_WINDOW_KIB << 10) + 1, 1, 0, 64,
                              0, "mmap")
         with pytest.raises(ValueError, match=rf"row_cache_mib must be at most {MAX_ROW_CACHE_MIB} MiB, "
                            rf"got {(MAX_ROW_CACHE_MIB << 20) + 1} bytes$"):
-            native.configure(table.handle, "window", 0, 1, (MAX_ROW_CACHE_MIB << 20) + 1, 64, 0, "mmap")
+            native.configure(table._native_handle(), "window", 0, 1, (MAX_ROW_CACHE_MIB << 20) + 1, 64, 0, "mmap")
         with pytest.raises(ValueError, match="threads must be at least 1"):
-            native.configure(table.handle, "window", 0, 0, 0, 64, 0, "mmap")
+            native.configure(table._native_handle(), "window", 0, 0, 0, 64, 0, "mmap")
         with pytest.raises(ValueError, match="io_queue_depth must be at most 1024, got 1025"):
-            native.configure(table.handle, "window", 0, 1, 0, 1025, 0, "direct")
+            native.configure(table._native_handle(), "window", 0, 1, 0, 1025, 0, "direct")
         with pytest.raises(ValueError, match="io_block_bytes must be 0 or a power of two, got 768"):
-            native.configure(table.handle, "window", 0, 1, 0, 64, 768, "direct")
+            native.configure(table._native_handle(), "window", 0, 1, 0, 64, 768, "direct")
         with pytest.raises(ValueError, match=r"unknown io mode 'dax' \(expected one of mmap, direct\)"):
-            native.configure(table.handle, "window", 0, 1, 0, 64, 0, "dax")
+            native.configure(table._native_handle(), "window", 0, 1, 0, 64, 0, "dax")
         table.config = GatherConfig()
         assert torch.equal(torch.ops.ple.disk_gather(torch.tensor([3]), table.handle), torch.zeros(1, 4))

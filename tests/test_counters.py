@@ -30,7 +30,7 @@ def test_every_counter_has_a_meaning():
 def test_the_list_is_the_native_counters_and_the_tier_counters(table):
     names = [name for name, _ in native.COUNTERS]
     assert len(set(names)) == len(names)
-    assert sorted(native.stats(table.handle)) == sorted(names)  # the native side returns its list
+    assert sorted(native.stats(table._native_handle())) == sorted(names)  # the native side returns its list
     assert list(ple.COUNTERS) == names + list(TIER_COUNTERS)
     assert list(TIER_COUNTERS) == ["device_tier_hits", "host_tier_hits"]
 

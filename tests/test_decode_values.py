@@ -271,13 +271,13 @@ def test_bad_output_dtype(f32_table, i8_table, dtype):
             torch.ops.ple.disk_gather(torch.tensor([0]), table.handle, dtype)
 
 
-@pytest.mark.parametrize("handle", [987654, -1, 0])
+@pytest.mark.parametrize("handle", ["emb@0123456789abcdef", "emb", ""])
 def test_unknown_handle(handle):
-    with pytest.raises(ValueError, match=rf"handle {handle}\b"):
+    with pytest.raises(ValueError, match=rf"\(handle {handle}\) is not open in this process"):
         torch.ops.ple.disk_gather(torch.tensor([0]), handle)
-    with pytest.raises(ValueError, match=rf"handle {handle}\b"):
+    with pytest.raises(ValueError, match=rf"\(handle {handle}\) is not open in this process"):
         torch.ops.ple.disk_gather(torch.tensor([0]), handle, torch.float16)
-    with pytest.raises(ValueError, match=rf"handle {handle}\b"):
+    with pytest.raises(ValueError, match=rf"\(handle {handle}\) is not open in this process"):
         torch.ops.ple.disk_gather_bytes(torch.tensor([0]), handle)
 
 

@@ -35,7 +35,7 @@ def test_gather_takes_the_table(table):
 
 def test_gather_names_what_is_not_a_table(table):
     opened, _ = table
-    with pytest.raises(TypeError, match=r"^ple.gather takes a ple.Table, not int \(the operators "
+    with pytest.raises(TypeError, match=r"^ple.gather takes a ple.Table, not str \(the operators "
                                         r"take table.handle\)$"):
         ple.gather(opened.handle, [1])
 

@@ -539,10 +539,10 @@ def test_the_native_side_caps_threads(small_table):
     assert native.MAX_THREADS == 256
     with ple.Table.from_safetensors(small_table) as table:
         args = list(ple.GatherConfig(threads=256)._native_args())
-        native.configure(table.handle, *args)
+        native.configure(table._native_handle(), *args)
         args[list(ple.config.FIELDS).index("threads")] = 257
         with pytest.raises(ValueError, match="threads must be at most 256"):
-            native.configure(table.handle, *args)
+            native.configure(table._native_handle(), *args)
         config = getattr(ple.config, "MAX_THREADS", None)
         if config is not None:
             assert config == native.MAX_THREADS

@@ -1,0 +1,117 @@
+"""place() and close() while other threads gather: each gather reads one
+snapshot of the tiers, kept in memory until it is done, so that it gives
+the right bytes of the old or the new placement, or a clear error; a
+place() that fails keeps the tiers it would have replaced.  README
+"Reliability"."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+import ple
+from helpers import REPO, close_while_threads_gather, write_random_rows
+
+ROWS = 20_000
+
+
+@pytest.fixture
+def table_and_rows(tmp_path):
+    reference = write_random_rows(tmp_path / "rows.safetensors", rows=ROWS, row_bytes=64)
+    table = ple.Table.from_safetensors(tmp_path / "rows.safetensors")
+    yield table, reference
+    table.close()
+
+
+def test_place_while_threads_gather_gives_every_gather_the_right_bytes(table_and_rows):
+    table, reference = table_and_rows
+    stop, outcomes = threading.Event(), []
+
+    def gather(k: int) -> None:
+        rng = np.random.default_rng(k)
+        while not stop.is_set():
+            ids = torch.from_numpy(rng.integers(0, ROWS, 5000))
+            try:
+                rows = table.gather_bytes(ids)
+            except Exception as error:  # noqa: BLE001 (reported by the assertion below)
+                outcomes.append(repr(error))
+                return
+            if not np.array_equal(rows.numpy(), reference[ids.numpy()]):
+                outcomes.append("wrong bytes")
+                return
+        outcomes.append("right bytes")
+
+    threads = [threading.Thread(target=gather, args=(k,)) for k in range(4)]
+    for thread in threads:
+        thread.start()
+    for k in range(40):  # placements of other rows, and none, as the gathers run
+        table.place(host_rows=(k % 4) * 3000, first_row=(k * 997) % 5000)
+    stop.set()
+    for thread in threads:
+        thread.join(timeout=120)
+    assert outcomes == ["right bytes"] * 4
+
+
+def test_close_while_threads_gather_with_a_host_tier(table_and_rows):
+    table, reference = table_and_rows
+    table.place(host_rows=ROWS // 2, first_row=ROWS // 4)
+    close_while_threads_gather(table, reference)
+
+
+def test_a_place_that_fails_keeps_the_old_tiers(table_and_rows, monkeypatch):
+    table, reference = table_and_rows
+    table.place(host_rows=100, first_row=10)
+    old = table.tiers
+
+    def no_memory(*args, **kwargs):
+        raise MemoryError("no room for the tiers")
+
+    monkeypatch.setattr(ple.table, "Tiers", no_memory)
+    with pytest.raises(MemoryError, match="no room for the tiers"):
+        table.place(host_rows=5000)
+    assert table.tiers is old and table.resident_range == (10, 110)
+    ids = torch.arange(0, 200)
+    assert np.array_equal(table.gather_bytes(ids).numpy(), reference[:200])
+    assert table.stats()["host_tier_hits"] == 100
+
+
+def test_tiers_replaced_during_a_gather_are_freed_when_it_ends(table_and_rows):
+    table, _ = table_and_rows
+    table.place(host_rows=100)
+    handle, tiers = table.acquire()  # a gather in progress
+    table.place()
+    assert tiers.host_table is not None  # still readable by that gather
+    table.release(tiers)
+    assert tiers.host_table is None
+
+
+def test_a_close_during_a_gather_finishes_when_it_ends(table_and_rows):
+    table, _ = table_and_rows
+    table.place(host_rows=100)
+    handle, tiers = table.acquire()
+    table.close()
+    with pytest.raises(ValueError, match=r"ple table 't' \(handle t@[0-9a-f]{16}\) is closed"):
+        table.acquire()
+    assert tiers.host_table is not None
+    table.release(tiers)
+    assert tiers.host_table is None and table.tiers is None
+
+
+def test_interpreter_exit_with_open_tables_says_nothing(tmp_path):
+    write_random_rows(tmp_path / "rows.safetensors", rows=100, row_bytes=64)
+    script = textwrap.dedent("""
+        import sys, ple
+        from ple.layers import DiskEmbedding
+        kept = [ple.Table.from_safetensors(sys.argv[1]) for _ in range(3)]
+        kept[0].place(host_rows=10)
+        module = DiskEmbedding.from_safetensors(sys.argv[1])
+    """)
+    done = subprocess.run([sys.executable, "-c", script, str(tmp_path / "rows.safetensors")],
+                          capture_output=True, text=True, timeout=120, cwd=REPO / "tests")
+    assert (done.returncode, done.stderr) == (0, "")
