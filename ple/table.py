@@ -384,7 +384,10 @@ class Table:
         read each id from its tier, with the same bytes.  The rows are read
         now; ``progress(done, total)`` is called as they are
         (``progress=True``: a progress bar on stderr).  ``place()``
-        with no rows drops the tiers.  A CUDA graph captured before a
+        with no rows drops the tiers.  The new tiers are read before the old
+        ones are dropped (a ``place`` that fails keeps them; one that
+        replaces tiers needs room for both meanwhile), and gathers already
+        running finish on the old ones.  A CUDA graph captured before a
         ``place`` keeps the tiers it was captured with (they stay in memory
         until the table closes).  ``first_row``: where the tiers start, for
         example a tensor-parallel rank's own rows, or one layer's rows of a
