@@ -390,3 +390,17 @@ def foreign_files_message(directory: Path, names: list[str], marker: str = "layo
             f"({shown}); ple writes its files only into a missing or empty directory, or one "
             f"holding files it wrote there itself (listed in its {marker}), and deletes nothing "
             f"else: name another directory, or move {'that file' if one else 'those files'} out")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def quiet_transformers():
+    """transformers' warnings and progress bars off for a module's tests (an
+    autouse fixture for the modules that import it)."""
+    import transformers
+
+    verbosity = transformers.logging.get_verbosity()
+    transformers.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    yield
+    transformers.logging.set_verbosity(verbosity)
+    transformers.utils.logging.enable_progress_bar()

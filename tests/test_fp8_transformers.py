@@ -26,6 +26,7 @@ pytest.importorskip("accelerate", reason="transformers' FP8 loading needs accele
 
 from transformers import Qwen4ExpForCausalLM, Qwen4ExpTextConfig  # noqa: E402
 
+from helpers import quiet_transformers  # noqa: E402, F401 (an autouse fixture)
 from helpers import assert_same_bits  # noqa: E402
 from ple.integrations.transformers import from_pretrained, tables  # noqa: E402
 from ple.layers import DiskEmbedding, NGramEmbedding  # noqa: E402
@@ -40,16 +41,6 @@ SCALES = (1e-3, 3e-4, 7.3e-5, 2.0 ** -10)
 EXACT_SCALE = 2.0 ** -10
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 SHARD = re.compile(r"^(?P<table>.+\.ngram_embedding)\.shard_(?P<index>\d+)\.weight$")
-
-
-@pytest.fixture(autouse=True, scope="module")
-def quiet_transformers():
-    verbosity = transformers.logging.get_verbosity()
-    transformers.logging.set_verbosity_error()
-    transformers.utils.logging.disable_progress_bar()
-    yield
-    transformers.logging.set_verbosity(verbosity)
-    transformers.utils.logging.enable_progress_bar()
 
 
 @pytest.fixture(scope="module", params=SCALES, ids=lambda s: f"scale{s:g}")

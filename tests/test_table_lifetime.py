@@ -29,8 +29,11 @@ def table_and_rows(tmp_path):
     table.close()
 
 
-def test_place_while_threads_gather_gives_every_gather_the_right_bytes(table_and_rows):
-    table, reference = table_and_rows
+def place_while_threads_gather(table: ple.Table, reference: np.ndarray, read, placements,
+                               threads: int) -> list[str]:
+    """Runs ``table.place(**p)`` for each of ``placements`` while ``threads``
+    threads gather random rows with ``read(ids)`` (the rows' bytes, as a
+    NumPy array); what each thread found."""
     stop, outcomes = threading.Event(), []
 
     def gather(k: int) -> None:
@@ -38,23 +41,32 @@ def test_place_while_threads_gather_gives_every_gather_the_right_bytes(table_and
         while not stop.is_set():
             ids = torch.from_numpy(rng.integers(0, ROWS, 5000))
             try:
-                rows = table.gather_bytes(ids)
-            except Exception as error:  # noqa: BLE001 (reported by the assertion below)
+                rows = read(ids)
+            except Exception as error:  # noqa: BLE001 (reported by the caller's assertion)
                 outcomes.append(repr(error))
                 return
-            if not np.array_equal(rows.numpy(), reference[ids.numpy()]):
+            if not np.array_equal(rows, reference[ids.numpy()]):
                 outcomes.append("wrong bytes")
                 return
         outcomes.append("right bytes")
 
-    threads = [threading.Thread(target=gather, args=(k,)) for k in range(4)]
-    for thread in threads:
-        thread.start()
-    for k in range(40):  # placements of other rows, and none, as the gathers run
-        table.place(host_rows=(k % 4) * 3000, first_row=(k * 997) % 5000)
+    workers = [threading.Thread(target=gather, args=(k,)) for k in range(threads)]
+    for worker in workers:
+        worker.start()
+    for placement in placements:
+        table.place(**placement)
     stop.set()
-    for thread in threads:
-        thread.join(timeout=120)
+    for worker in workers:
+        worker.join(timeout=120)
+    return outcomes
+
+
+def test_place_while_threads_gather_gives_every_gather_the_right_bytes(table_and_rows):
+    table, reference = table_and_rows
+    placements = [{"host_rows": (k % 4) * 3000, "first_row": (k * 997) % 5000}
+                  for k in range(40)]  # other rows, and none, as the gathers run
+    outcomes = place_while_threads_gather(
+        table, reference, lambda ids: table.gather_bytes(ids).numpy(), placements, threads=4)
     assert outcomes == ["right bytes"] * 4
 
 
@@ -115,3 +127,37 @@ def test_interpreter_exit_with_open_tables_says_nothing(tmp_path):
     done = subprocess.run([sys.executable, "-c", script, str(tmp_path / "rows.safetensors")],
                           capture_output=True, text=True, timeout=120, cwd=REPO / "tests")
     assert (done.returncode, done.stderr) == (0, "")
+
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@cuda
+def test_place_while_threads_gather_on_cuda_gives_every_gather_the_right_bytes(table_and_rows):
+    table, reference = table_and_rows
+
+    def read(ids: torch.Tensor) -> np.ndarray:  # a U8 table's values are its bytes
+        with torch.cuda.stream(torch.cuda.Stream()):
+            rows = torch.ops.ple.disk_gather(ids.cuda(), table.handle, torch.float32)
+            return rows.cpu().numpy().astype(np.uint8)
+
+    placements = [{"device_rows": (k % 3) * 2000, "host_rows": (k % 4) * 2000,
+                   "first_row": (k * 997) % 5000} for k in range(30)]
+    assert place_while_threads_gather(table, reference, read, placements,
+                                      threads=3) == ["right bytes"] * 3
+
+
+@cuda
+def test_a_cuda_graph_holds_the_str_handle_and_its_tiers(table_and_rows):
+    table, reference = table_and_rows
+    table.place(device_rows=100, host_rows=100)
+    ids = torch.arange(0, 300, device="cuda")
+    graph = torch.cuda.CUDAGraph()
+    torch.ops.ple.disk_gather(ids, table.handle, torch.float32)  # warm up outside the capture
+    torch.cuda.synchronize()
+    with torch.cuda.graph(graph):
+        out = torch.ops.ple.disk_gather(ids, table.handle, torch.float32)
+    table.place()  # the graph keeps reading the tiers it captured
+    graph.replay()
+    torch.cuda.synchronize()
+    assert np.array_equal(out.cpu().numpy(), reference[:300].astype(np.float32))

@@ -27,6 +27,7 @@ from transformers import (Gemma3nForCausalLM, Gemma3nTextConfig, Qwen4ExpForCaus
                           Qwen4ExpTextConfig)
 
 import ple  # noqa: E402
+from helpers import quiet_transformers  # noqa: E402, F401 (an autouse fixture)
 from helpers import REPO, assert_same_bits, load_module, run_ranks  # noqa: E402
 from ple.integrations.transformers import (ScaledDiskEmbedding, auto_names,  # noqa: E402
                                            from_pretrained, offload, tables)
@@ -50,16 +51,6 @@ QWEN_TABLES = [f"model.layers.{i}.ple.ple_embedding.ngram_embedding" for i in (0
 GEMMA_TABLES = ["model.embed_tokens_per_layer"]
 MODELS = {"qwen4exp": (Qwen4ExpForCausalLM, Qwen4ExpTextConfig, QWEN_CONFIG, QWEN_TABLES),
           "gemma3n": (Gemma3nForCausalLM, Gemma3nTextConfig, GEMMA_CONFIG, GEMMA_TABLES)}
-
-
-@pytest.fixture(autouse=True, scope="module")
-def quiet_transformers():
-    verbosity = transformers.logging.get_verbosity()
-    transformers.logging.set_verbosity_error()
-    transformers.utils.logging.disable_progress_bar()
-    yield
-    transformers.logging.set_verbosity(verbosity)
-    transformers.utils.logging.enable_progress_bar()
 
 
 @pytest.fixture(scope="module")

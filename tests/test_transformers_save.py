@@ -24,6 +24,7 @@ from safetensors import safe_open  # noqa: E402
 from transformers import (Gemma3nForCausalLM, Gemma3nTextConfig, Qwen4ExpForCausalLM,  # noqa: E402
                           Qwen4ExpTextConfig)
 
+from helpers import quiet_transformers  # noqa: E402, F401 (an autouse fixture)
 from helpers import directory_bytes  # noqa: E402
 from ple.integrations.transformers import from_pretrained, tables  # noqa: E402
 from ple_tools.bench_transformers import MODEL_CONFIG  # noqa: E402
@@ -43,16 +44,6 @@ GEMMA_CONFIG = dict(
 MODELS = {"qwen4exp": (Qwen4ExpForCausalLM, Qwen4ExpTextConfig, QWEN_CONFIG,
                        {"max_shard_size": "64KB"}),
           "gemma3n": (Gemma3nForCausalLM, Gemma3nTextConfig, GEMMA_CONFIG, {})}
-
-
-@pytest.fixture(autouse=True, scope="module")
-def quiet_transformers():
-    verbosity = transformers.logging.get_verbosity()
-    transformers.logging.set_verbosity_error()
-    transformers.utils.logging.disable_progress_bar()
-    yield
-    transformers.logging.set_verbosity(verbosity)
-    transformers.utils.logging.enable_progress_bar()
 
 
 @pytest.fixture(scope="module")
