@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .files import open_regular_binary
-from .safetensors_header import TensorEntry
+from .safetensors_header import TensorEntry, check_no_shared_bytes
 
 
 # Sizes of GGUF's scalar value types (gguf.GGUFValueType), by type number.
@@ -238,7 +238,8 @@ def read_gguf_header(path: Path, keys=()) -> GGUFHeader:
     ``keys`` that the file has (integers, or arrays of integers; a key of
     another type is a ValueError).  Raises OSError when the file cannot be
     read and ValueError, naming the file (and the tensor), when it is not a
-    regular file or not a valid GGUF file."""
+    regular file or not a valid GGUF file (two tensors that share bytes
+    included)."""
     # OSError for a missing or unreadable file, ValueError for one that is not
     # a regular file (a FIFO would block the open).
     with open_regular_binary(path) as f:
@@ -252,4 +253,7 @@ def read_gguf_header(path: Path, keys=()) -> GGUFHeader:
             except RecursionError:  # arrays of arrays nested deeper than Python recurses
                 raise ValueError(f"{path}: corrupt GGUF header: arrays nested too deep") from None
     tensors = {info.name: _entry(path, info, alignment, data_start, file_size) for info in infos}
+    # The gguf reader reads two tensors on one span as two tensors; ggml's
+    # loader refuses them, as it wants each tensor where the one before ends.
+    check_no_shared_bytes(path, tensors, "GGUF")
     return GGUFHeader(tensors, values)

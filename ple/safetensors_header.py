@@ -79,14 +79,15 @@ def _object(pairs: list[tuple[str, object]]) -> _Object:
     return obj
 
 
-def _check_no_shared_bytes(path: Path, entries: dict[str, TensorEntry]) -> None:
-    """Two tensors whose bytes overlap are a corrupt file (the safetensors
-    package refuses them too): rows of one would be read as another's values."""
+def check_no_shared_bytes(path: Path, entries: dict[str, TensorEntry], kind: str) -> None:
+    """Two tensors whose bytes overlap are a corrupt ``kind`` ("safetensors",
+    "GGUF") file: rows of one would be read as another's values.  Tensors of
+    no bytes share none, wherever they point."""
     spans = sorted((e.offset, e.offset + e.nbytes, e.name) for e in entries.values() if e.nbytes)
     widest = None  # the span, so far, that reaches furthest
     for begin, end, name in spans:
         if widest is not None and begin < widest[1]:
-            raise ValueError(f"{path}: corrupt safetensors header: tensors {widest[2]!r} (bytes "
+            raise ValueError(f"{path}: corrupt {kind} header: tensors {widest[2]!r} (bytes "
                              f"{widest[0]} to {widest[1]}) and {name!r} (bytes {begin} to {end}) "
                              "share bytes")
         if widest is None or end > widest[1]:
@@ -128,5 +129,6 @@ def read_header(path: Path) -> dict[str, TensorEntry]:
     data_start = 8 + length
     entries = {name: _entry(path, name, info, data_start, file_size)
                for name, info in header.items() if name != "__metadata__"}
-    _check_no_shared_bytes(path, entries)
+    # The safetensors package refuses these files too.
+    check_no_shared_bytes(path, entries, "safetensors")
     return entries

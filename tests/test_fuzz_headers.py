@@ -431,7 +431,8 @@ def test_huge_shard_index(tmp_path):
 # case opens t, f (and h) with Table.from_gguf and, when one opens, checks its
 # rows byte for byte against the reader's data and against the bytes at the
 # offset it parsed (in Python ints, inside the data section), and its values
-# against gguf.quants.dequantize.
+# against gguf.quants.dequantize, and that no two tensors of the file share a
+# byte by the reader's offsets.
 
 
 GGUF_ALIGNMENT = {"plain": 32, "aligned": 64}
@@ -544,6 +545,8 @@ def _gguf_layout(raw: bytes) -> GGUFLayout:
 
 GGUF_BASES = {kind: _gguf_base(kind) for kind in ("plain", "aligned")}
 GGUF_LAYOUTS = {kind: _gguf_layout(raw) for kind, raw in GGUF_BASES.items()}
+# Where the plain file's tensors lie in its data section: (offset, bytes).
+PLAIN_SPANS = {"t": (0, 340), "f": (352, 96), "v": (448, 20), "h": (480, 128)}
 
 
 def _serialize(version: int, kvs, infos, data: bytes, alignment: int, *, counts=(None, None),
@@ -579,6 +582,8 @@ def test_gguf_bases_are_valid():
         layout = GGUF_LAYOUTS[kind]
         assert layout.alignment == GGUF_ALIGNMENT[kind]
         assert _reserialized(layout) == raw  # the serializer writes what GGUFWriter wrote
+        if kind == "plain":
+            assert {i["name"]: (i["offset"], i["nbytes"]) for i in layout.infos} == PLAIN_SPANS
         _check_gguf(raw, kind, must_open=True)
 
 
@@ -601,6 +606,11 @@ def _gguf_rows(raw: bytes, path: Path, name: str, table: ple.Table):
     ours = np.frombuffer(raw[begin:begin + nbytes], dtype=np.uint8)
     theirs = np.ascontiguousarray(tensor.data).reshape(-1).view(np.uint8)
     assert np.array_equal(ours, theirs), "the reader's data is not the bytes at its offset"
+    # Sorted by where they begin, tensors that share a byte include two neighbours that do.
+    spans = sorted((int(t.data_offset), int(t.data_offset) + int(t.n_bytes))
+                   for t in reader.tensors if t.n_bytes)
+    assert all(end <= begin for (_, end), (begin, _) in zip(spans, spans[1:])), (
+        f"opened a file whose tensors share bytes: {spans}")
     return ours.reshape(table.num_rows, table.row_bytes), Q(int(tensor.tensor_type))
 
 
@@ -910,12 +920,19 @@ def _gguf_fields(kind: str, **values) -> bytes:
     return bytes(raw)
 
 
+def _gguf_tensors(kind: str, changes: dict[str, dict]) -> bytes:
+    """The base file re-serialized with tensor infos changed: ``{name:
+    {field: value}}``."""
+    layout = GGUF_LAYOUTS[kind]
+    assert set(changes) <= {info["name"] for info in layout.infos}
+    infos = [{**info, "name": info["name"].encode(), **changes.get(info["name"], {})}
+             for info in layout.infos]
+    return _serialize(layout.version, layout.kvs, infos, layout.data, layout.alignment)
+
+
 def _gguf_tensor(kind: str, tensor: str, **changes) -> bytes:
     """The base file re-serialized with one tensor info changed."""
-    layout = GGUF_LAYOUTS[kind]
-    infos = [dict(info, name=info["name"].encode()) for info in layout.infos]
-    next(info for info in infos if info["name"] == tensor.encode()).update(changes)
-    return _serialize(layout.version, layout.kvs, infos, layout.data, layout.alignment)
+    return _gguf_tensors(kind, {tensor: changes})
 
 
 def _big_endian_file() -> bytes:
@@ -1002,14 +1019,39 @@ def test_gguf_regressions(tmp_path, case):
     _check_gguf(raw, "plain", names=[tensor])  # and the fuzz check agrees
 
 
-def test_gguf_overlapping_tensors_open(tmp_path):
-    """Two tensors on the same bytes are not against the GGUF rules: both open,
-    and gather the same rows."""
-    raw = _gguf_tensor("plain", "t", type=int(Q.F32), dims=[8, 3],
-                       offset=PLAIN.infos[1]["offset"])
-    _check_gguf(raw, "plain", must_open=True, names=["t", "f"])
-    path = tmp_path / "overlap.gguf"
-    path.write_bytes(raw)
-    with ple.Table.from_gguf(path, "t") as t, ple.Table.from_gguf(path, "f") as f:
-        ids = torch.arange(3)
-        assert torch.equal(t.gather_bytes(ids), f.gather_bytes(ids))
+# (tensor infos changed, the two tensors and their spans in the data section
+# that the error names; PLAIN_SPANS says where the tensors were).  The gguf
+# reader reads each of these files; ple refuses them, as ggml's loader does and
+# as ple refuses such a safetensors file.
+GGUF_SHARED_BYTES = {
+    "two tensors at one offset": ({"t": {"type": int(Q.F32), "dims": [8, 3], "offset": 352}},
+                                  ("f", 352, 448), ("t", 352, 448)),
+    "a tensor that starts inside another": ({"f": {"offset": 320}},
+                                            ("t", 0, 340), ("f", 320, 416)),
+    "a tensor inside another": ({"v": {"offset": 32}}, ("t", 0, 340), ("v", 32, 52)),
+}
+
+
+@pytest.mark.parametrize("case", sorted(GGUF_SHARED_BYTES))
+def test_gguf_tensors_that_share_bytes_are_refused(tmp_path, case):
+    changes, first, second = GGUF_SHARED_BYTES[case]
+    path = tmp_path / "shared.gguf"
+    path.write_bytes(_gguf_tensors("plain", changes))
+    assert [t.name for t in GGUFReader(path).tensors] == ["t", "f", "v", "h"]
+    start = PLAIN.data_offset
+    (a, a_begin, a_end), (b, b_begin, b_end) = first, second
+    expected = (f"{path}: corrupt GGUF header: tensors {a!r} (bytes {start + a_begin} to "
+                f"{start + a_end}) and {b!r} (bytes {start + b_begin} to {start + b_end}) "
+                "share bytes")
+    # Whichever tensor is asked for, h too, which shares no byte: the file is corrupt.
+    for tensor in ("t", "f", "h"):
+        with pytest.raises(ValueError) as info:
+            ple.Table.from_gguf(path, tensor)
+        assert str(info.value) == expected
+
+
+def test_gguf_tensors_that_touch_or_hold_no_bytes_open():
+    """f moved to end where h begins, and v emptied to no values inside t's
+    bytes: no byte is read as two tensors', and every table opens."""
+    raw = _gguf_tensors("plain", {"f": {"offset": 384}, "v": {"dims": [0], "offset": 32}})
+    _check_gguf(raw, "plain", must_open=True)
