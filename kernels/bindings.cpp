@@ -8,6 +8,7 @@
 
 #include <atomic>
 #include <cstdlib>
+#include <cstring>
 #include <exception>
 
 #include "host_gather.h"
@@ -215,11 +216,35 @@ void prefetch(int64_t handle, const torch::Tensor& ids, int64_t resident_begin,
   table->prefetch(std::move(copy), {resident_begin, resident_end});
 }
 
+// Raises `type` with `what`, decoded as Python decodes file names: messages
+// name files by path, and a path need not be UTF-8 (pybind's own translation
+// would raise UnicodeDecodeError instead of the error).
+void set_error(PyObject* type, const char* what) {
+  PyObject* text = PyUnicode_DecodeFSDefault(what);
+  if (text == nullptr) {
+    PyErr_Clear();
+    text = PyUnicode_DecodeUTF8(what, static_cast<Py_ssize_t>(std::strlen(what)), "replace");
+  }
+  PyErr_SetObject(type, text);
+  Py_XDECREF(text);
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "ple native part: memory-mapped tables and the windowed row gather";
-  py::register_exception<ple::OsError>(m, "NativeOSError", PyExc_OSError);
+  static py::exception<ple::OsError> os_error(m, "NativeOSError", PyExc_OSError);
+  py::register_exception_translator([](std::exception_ptr error) {
+    try {
+      if (error) std::rethrow_exception(error);
+    } catch (const ple::OsError& e) {
+      set_error(os_error.ptr(), e.what());
+    } catch (const std::invalid_argument& e) {
+      set_error(PyExc_ValueError, e.what());
+    } catch (const std::out_of_range& e) {
+      set_error(PyExc_IndexError, e.what());
+    }
+  });
   m.attr("torch_version") = PLE_STRINGIFY(PLE_TORCH_VERSION);
   m.attr("MAX_THREADS") = ple::kMaxThreads;
   m.attr("CONFIG_FIELDS") = config_fields();

@@ -217,7 +217,7 @@ class Table:
         self._closing = False
         self._same_files = f"{name}@{_files_digest(self.paths, self._layout)}"
         self._native = native.open_table(
-            [str(p) for p in self.paths], [file_index[s.path] for s in shards],
+            [os.fsencode(p) for p in self.paths], [file_index[s.path] for s in shards],
             [s.offset for s in shards], self.shard_rows, self.row_bytes)
         try:
             self._push_config(config)

@@ -1,12 +1,14 @@
 """The common mistakes get errors that say what to do: a table where the
 operators take a handle, a GGUF file opened as safetensors, one shard of a
-family opened by name (it keeps the family's scale); ple.FORMATS lists every
-format and ple.__version__ is the package's."""
+family opened by name (it keeps the family's scale), a path that is not
+UTF-8; ple.FORMATS lists every format and ple.__version__ is the package's."""
 
 from __future__ import annotations
 
 import importlib.metadata
+import os
 import re
+from pathlib import Path
 
 import gguf
 import numpy as np
@@ -15,7 +17,7 @@ import torch
 from safetensors.torch import save_file
 
 import ple
-from helpers import write_gguf
+from helpers import write_arange_table, write_gguf
 
 
 @pytest.fixture
@@ -65,3 +67,17 @@ def test_formats_lists_every_format():
 
 def test_version_is_the_packages():
     assert ple.__version__ == importlib.metadata.version("ple")
+
+
+def test_a_path_that_is_not_utf8_opens_and_its_errors_name_it(tmp_path):
+    # Python hands such a name over as a str with surrogate escapes (os.fsdecode).
+    directory = Path(os.fsdecode(os.path.join(os.fsencode(tmp_path), b"rows\xff")))
+    directory.mkdir()
+    path = write_arange_table(directory / "t\udcfe.safetensors", rows=4096, cols=16)
+    with ple.Table.from_safetensors(directory) as table:
+        assert table.paths == [path]
+        assert torch.equal(ple.gather(table, [3]), torch.arange(48, 64, dtype=torch.float32)[None])
+        os.truncate(path, 4096)
+        # The native error names the file as Python would, not UnicodeDecodeError.
+        with pytest.raises(OSError, match=re.escape(str(path))):
+            ple.gather(table, [4095])
