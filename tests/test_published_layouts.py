@@ -8,8 +8,10 @@ in memory), compared to the bit.
   ``weight_scale`` each and a ``quantization_config`` in config.json.
 - Gemma 3n E4B: ``Gemma3nForConditionalGeneration``'s layout
   (``model.language_model.embed_tokens_per_layer.weight``, a tied lm_head,
-  many files), written by hand: the multimodal class builds its vision tower
-  with timm, which cannot be installed here.
+  many files), written by hand, as the text-only class reads it; and, where
+  timm is installed (it needs a torchvision built for the installed torch),
+  the multimodal class itself, its timm vision tower built from its config,
+  saved by its own class and loaded by it and the auto classes.
 
 Also: the auto classes, hub repo ids from a huggingface_hub cache laid out by
 hand, the layers' constructors on these layouts, and the errors."""
@@ -34,9 +36,9 @@ pytest.importorskip("transformers.models.qwen4_exp", reason="transformers has no
 
 from safetensors.torch import load_file, save_file  # noqa: E402
 from transformers import (AutoModel, AutoModelForCausalLM, AutoModelForImageTextToText,  # noqa: E402
-                          Gemma3nConfig, Gemma3nForCausalLM, Gemma3nTextConfig, PreTrainedConfig,
-                          PreTrainedModel, Qwen4ExpConfig, Qwen4ExpForCausalLM,
-                          Qwen4ExpForConditionalGeneration)
+                          Gemma3nConfig, Gemma3nForCausalLM, Gemma3nForConditionalGeneration,
+                          Gemma3nModel, Gemma3nTextConfig, PreTrainedConfig, PreTrainedModel,
+                          Qwen4ExpConfig, Qwen4ExpForCausalLM, Qwen4ExpForConditionalGeneration)
 from transformers.utils import is_timm_available  # noqa: E402
 
 import ple  # noqa: E402
@@ -54,6 +56,15 @@ FP8_SCALE = 0.03125
 # What the FP8 release's quantization_config converts (design.md, section 8).
 FP8_MODULES = ["ple.ple_embedding.ngram_embedding"]
 INTEGRATION = "ple.integrations.transformers"
+# Gemma 3n's vision tower, timm's mobilenetv5_300m_enc (built with
+# pretrained=False), at the fewest channels its config allows (1.3M
+# parameters, not 300M; its fusion adapter's 2048 outputs are fixed, hence
+# hidden_size's default); the audio tower as small.
+GEMMA_VISION = dict(model_args={"channel_multiplier": 0.01, "stem_size": 8})
+GEMMA_AUDIO = dict(hidden_size=16, input_feat_size=16, conf_num_hidden_layers=1,
+                   conf_num_attention_heads=2, sscp_conv_channel_size=[8, 4])
+needs_timm = pytest.mark.skipif(not is_timm_available(), reason="timm is not installed (it needs a "
+                                "torchvision built for the installed torch)")
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -123,14 +134,20 @@ def qwen(tmp_path_factory):
     return {"fp32": fp32, "fp8": fp8}
 
 
+def randomize_altup(text_model) -> None:
+    """Gemma 3n's altup output scales, zeros at init, made random (see
+    test_transformers_integration's checkpoints)."""
+    for layer in text_model.layers:
+        torch.nn.init.normal_(layer.altup.correct_output_scale)
+
+
 @pytest.fixture(scope="module")
 def gemma(tmp_path_factory):
     """A tiny Gemma 3n E4B as published: the text model's tensors under
     model.language_model, a tied lm_head, 16 files, a multimodal config."""
     torch.manual_seed(0)
     model = Gemma3nForCausalLM(Gemma3nTextConfig(**{**GEMMA_CONFIG, "tie_word_embeddings": True}))
-    for layer in model.model.layers:  # see test_transformers_integration's checkpoints
-        torch.nn.init.normal_(layer.altup.correct_output_scale)
+    randomize_altup(model.model)
     assert_logits_depend_on(model.eval(), ["model.embed_tokens_per_layer"])
     directory = tmp_path_factory.mktemp("gemma_3n")
     model.save_pretrained(directory, max_shard_size="64KB")
@@ -140,6 +157,23 @@ def gemma(tmp_path_factory):
     config = Gemma3nConfig(text_config=model.config.to_dict(), tie_word_embeddings=True)
     config.architectures = ["Gemma3nForConditionalGeneration"]
     config.save_pretrained(directory)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def gemma_multimodal(tmp_path_factory):
+    """A tiny Gemma 3n E4B saved by Gemma3nForConditionalGeneration itself
+    (its timm vision tower and its audio tower random, from the config) in
+    several files, its text model of gemma's config."""
+    torch.manual_seed(0)
+    config = Gemma3nConfig(text_config={**GEMMA_CONFIG, "tie_word_embeddings": True},
+                           vision_config=GEMMA_VISION, audio_config=GEMMA_AUDIO,
+                           tie_word_embeddings=True)
+    model = Gemma3nForConditionalGeneration(config)
+    randomize_altup(model.model.language_model)
+    assert_logits_depend_on(model.eval(), ["model.language_model.embed_tokens_per_layer"])
+    directory = tmp_path_factory.mktemp("gemma_3n_multimodal")
+    model.save_pretrained(directory, max_shard_size="256KB")
     return directory
 
 
@@ -298,6 +332,77 @@ def test_gemma_3n_multimodal_classes_say_they_need_timm(gemma, asked, concrete):
         "which needs a torchvision built for the installed torch); for text only, load the "
         "checkpoint with Gemma3nForCausalLM, which needs no timm")
     assert len(_open_tables) == before
+
+
+@needs_timm
+def test_gemma_3n_multimodal_class_saves_the_layout_written_by_hand(gemma, gemma_multimodal):
+    """What Gemma3nForConditionalGeneration.save_pretrained writes: the
+    per-layer table under its published name, no lm_head (tied), several
+    files, and its text model's tensors those of the layout written by hand
+    (by name, shape and dtype)."""
+    def tensors(directory):
+        index = json.loads((directory / "model.safetensors.index.json").read_text())
+        weight_map = index["weight_map"]
+        files = sorted(set(weight_map.values()))
+        shapes = {}
+        for name in files:
+            shapes.update({key: (value.shape, value.dtype)
+                           for key, value in load_file(directory / name).items()})
+        assert sorted(shapes) == sorted(weight_map)
+        return files, shapes
+
+    files, saved = tensors(gemma_multimodal)
+    assert len(files) > 1
+    rows, layers = GEMMA_CONFIG["vocab_size_per_layer_input"], GEMMA_CONFIG["num_hidden_layers"]
+    assert saved["model.language_model.embed_tokens_per_layer.weight"] == (
+        torch.Size([rows, layers * GEMMA_CONFIG["hidden_size_per_layer_input"]]), torch.float32)
+    assert not any(key.startswith("lm_head") for key in saved)
+    assert any(key.startswith("model.vision_tower.timm_model.") for key in saved)
+    _, by_hand = tensors(gemma)
+    assert {key: value for key, value in saved.items()
+            if key.startswith("model.language_model.")} == by_hand
+
+
+# (the class asked for, the class it is, where the per-layer table is)
+GEMMA_CLASSES = [
+    (Gemma3nForConditionalGeneration, Gemma3nForConditionalGeneration, "model.language_model."),
+    (AutoModelForImageTextToText, Gemma3nForConditionalGeneration, "model.language_model."),
+    (AutoModelForCausalLM, Gemma3nForConditionalGeneration, "model.language_model."),
+    (AutoModel, Gemma3nModel, "language_model."),
+]
+
+
+@needs_timm
+@pytest.mark.parametrize("asked, concrete, prefix", GEMMA_CLASSES,
+                         ids=[c[0].__name__ for c in GEMMA_CLASSES])
+@pytest.mark.parametrize("dtype", [None, torch.bfloat16], ids=["fp32", "bfloat16"])
+def test_gemma_3n_multimodal_classes_equal_transformers(gemma_multimodal, asked, concrete, prefix,
+                                                        dtype):
+    """The multimodal class and the auto classes on the checkpoint its own
+    save_pretrained wrote: the class transformers builds (the timm vision
+    tower loaded, nothing missing), embed_tokens_per_layer served from
+    model.language_model.embed_tokens_per_layer.weight, the tied lm_head
+    kept in memory, text-only logits and greedy generation equal to
+    transformers' own loading to the bit."""
+    kwargs = {} if dtype is None else {"dtype": dtype}
+    reference, want = asked.from_pretrained(gemma_multimodal, output_loading_info=True, **kwargs)
+    served, info = from_pretrained(asked, gemma_multimodal, output_loading_info=True, **kwargs)
+    assert type(served) is type(reference) is concrete
+    assert info["missing_keys"] == want["missing_keys"] == set()
+    assert info["unexpected_keys"] == want["unexpected_keys"]
+    assert list(tables(served)) == [f"{prefix}embed_tokens_per_layer"]
+    table = tables(served)[f"{prefix}embed_tokens_per_layer"]
+    assert table.name == "model.language_model.embed_tokens_per_layer.weight"
+    base = served.model if concrete is Gemma3nForConditionalGeneration else served
+    assert type(base.vision_tower).__name__ == "TimmWrapperModel"
+    ids = prompt()
+    assert_same_bits(output(served, ids), output(reference, ids))
+    if concrete is Gemma3nModel:  # no lm_head, no generation
+        return
+    assert served.lm_head.weight is served.model.language_model.embed_tokens.weight
+    with torch.no_grad():
+        assert torch.equal(served.generate(ids, max_new_tokens=3, do_sample=False),
+                           reference.generate(ids, max_new_tokens=3, do_sample=False))
 
 
 def test_disk_embedding_finds_the_published_name(gemma, tmp_path):
