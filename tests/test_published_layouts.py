@@ -42,6 +42,7 @@ from transformers import (AutoModel, AutoModelForCausalLM, AutoModelForImageText
 from transformers.utils import is_timm_available  # noqa: E402
 
 import ple  # noqa: E402
+from helpers import quiet_transformers  # noqa: E402, F401 (an autouse fixture)
 from helpers import REPO, assert_same_bits  # noqa: E402
 from ple.integrations.transformers import from_pretrained, tables  # noqa: E402
 from ple.layers import DiskEmbedding, NGramEmbedding  # noqa: E402
@@ -65,16 +66,6 @@ GEMMA_AUDIO = dict(hidden_size=16, input_feat_size=16, conf_num_hidden_layers=1,
                    conf_num_attention_heads=2, sscp_conv_channel_size=[8, 4])
 needs_timm = pytest.mark.skipif(not is_timm_available(), reason="timm is not installed (it needs a "
                                 "torchvision built for the installed torch)")
-
-
-@pytest.fixture(autouse=True, scope="module")
-def quiet_transformers():
-    verbosity = transformers.logging.get_verbosity()
-    transformers.logging.set_verbosity_error()
-    transformers.utils.logging.disable_progress_bar()
-    yield
-    transformers.logging.set_verbosity(verbosity)
-    transformers.utils.logging.enable_progress_bar()
 
 
 def write_index(directory: Path, weight_map: dict[str, str]) -> None:
