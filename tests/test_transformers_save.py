@@ -27,18 +27,9 @@ from transformers import (Gemma3nForCausalLM, Gemma3nTextConfig, Qwen4ExpForCaus
 from helpers import quiet_transformers  # noqa: E402, F401 (an autouse fixture)
 from helpers import directory_bytes  # noqa: E402
 from ple.integrations.transformers import from_pretrained, tables  # noqa: E402
-from ple_tools.bench_transformers import MODEL_CONFIG  # noqa: E402
 
-QWEN_CONFIG = {**MODEL_CONFIG, "vocab_size": 256, "hidden_size": 64, "linear_key_head_dim": 16,
-               "linear_value_head_dim": 16, "moe_intermediate_size": 32,
-               "shared_expert_intermediate_size": 32, "hc_lowrank": 8, "ple_embed_dim": 32,
-               "ngram_vocab_size_base": 1000, "split_ngram_parts": 4}
-GEMMA_CONFIG = dict(
-    vocab_size=256, vocab_size_per_layer_input=128, hidden_size=64, hidden_size_per_layer_input=8,
-    intermediate_size=128, num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=1,
-    head_dim=32, num_kv_shared_layers=2, laurel_rank=8, sliding_window=16,
-    layer_types=["sliding_attention", "full_attention"] * 2, activation_sparsity_pattern=[0.0] * 4,
-    altup_num_inputs=2, max_position_embeddings=128, tie_word_embeddings=False)
+from test_transformers_integration import GEMMA_CONFIG, QWEN_CONFIG  # noqa: E402
+
 # Qwen4Exp in shards (transformers deletes the ones it does not write
 # again), Gemma 3n in one model.safetensors (transformers overwrites it).
 MODELS = {"qwen4exp": (Qwen4ExpForCausalLM, Qwen4ExpTextConfig, QWEN_CONFIG,
