@@ -410,7 +410,7 @@ class Table:
                 device = torch.device("cuda", torch.cuda.current_device())
         new = None
         if device_rows or host_rows:
-            handle, _ = self.acquire()
+            handle, held = self.acquire()
             try:
                 # Read past the row cache: these rows are about to be resident, and
                 # would only push rows the cache should serve out of it.
@@ -419,7 +419,7 @@ class Table:
                                 self.row_bytes, device_rows, host_rows,
                                 device if device_rows else None, first_row, report)
             finally:
-                self.release(None)
+                self.release(held)
         # Only once the new tiers are whole: a place that fails keeps the old ones.
         with self._state_lock:
             if self._closing:

@@ -93,6 +93,15 @@ def test_a_place_that_fails_keeps_the_old_tiers(table_and_rows, monkeypatch):
     assert table.stats()["host_tier_hits"] == 100
 
 
+def test_tiers_that_a_place_replaces_are_freed(table_and_rows):
+    table, reference = table_and_rows
+    table.place(host_rows=100)
+    first = table.tiers
+    table.place(host_rows=50, first_row=7)
+    assert first.host_table is None and first.calls == 0
+    assert np.array_equal(table.gather_bytes(torch.arange(100)).numpy(), reference[:100])
+
+
 def test_tiers_replaced_during_a_gather_are_freed_when_it_ends(table_and_rows):
     table, _ = table_and_rows
     table.place(host_rows=100)
