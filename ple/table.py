@@ -315,8 +315,9 @@ class Table:
             if tiers is not None:
                 tiers.calls -= 1
                 if tiers.retired and tiers.calls == 0:
-                    if tiers.captured:  # by a capture that began before the place
-                        self._retired_tiers.append(tiers)
+                    if tiers.captured:  # kept until close, once
+                        if tiers not in self._retired_tiers:
+                            self._retired_tiers.append(tiers)
                     else:
                         free = True
             finish_close = self._closing and self._calls == 0 and self._native is not None
