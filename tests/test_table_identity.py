@@ -2,7 +2,7 @@
 copies, spawned workers, saved, exported and traced programs and compile
 caches reach the same table (opened again on the same files) or raise an
 error naming it, never another table's rows.  README "Tables in other
-processes"."""
+processes" and docs/tables.md."""
 
 from __future__ import annotations
 
