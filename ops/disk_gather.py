@@ -2,8 +2,8 @@
 
 Both take ids of any shape and a table handle (``ple.Table.handle``: a str
 that names the table and its files' identity, so that a graph or program
-holding it reaches that table in any process, or raises) and return new tensors ``[*ids.shape, ...]``; the CPU kernels run the native
-windowed gather, ``disk_gather`` then decodes the rows.  ``disk_gather`` also
+holding it reaches that table in any process, or raises) and return new
+tensors ``[*ids.shape, ...]``; the CPU kernels run the native windowed gather, ``disk_gather`` then decodes the rows.  ``disk_gather`` also
 has a CUDA kernel (disk_gather_cuda.py); ``disk_gather_bytes`` is CPU only.
 
 ``round_scale`` chooses the arithmetic of scaled rows (fp8_e4m3fn, u8, i8):

@@ -86,13 +86,10 @@ def _split_handle(handle: str) -> tuple[str, str]:
     return name, f"{name}@{digest[:DIGEST_CHARS]}"
 
 
-def _files_digest(paths: list[Path], layout: tuple) -> str:
+def _files_digest(files: list[os.stat_result], layout: tuple) -> str:
     """What the handles of tables on these files with this layout share: a
     digest of the files' identities and of the layout."""
-    identities = []
-    for path in paths:
-        st = os.stat(path)
-        identities.append((st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns))
+    identities = [(st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns) for st in files]
     digest = hashlib.blake2b(repr((identities, layout)).encode(), digest_size=DIGEST_CHARS // 2)
     return digest.hexdigest()
 
@@ -204,9 +201,10 @@ class Table:
         self.paths = list(dict.fromkeys(s.path for s in shards))
         file_index = {path: i for i, path in enumerate(self.paths)}
         self._opened_from = opened_from
+        files = [os.stat(p) for p in self.paths]
         self._layout = (name, fmt.name, scale, self.cols,
                         [(file_index[s.path], s.offset, s.shape[0]) for s in shards],
-                        [os.path.getsize(p) for p in self.paths])
+                        [st.st_size for st in files])
         self._staging: dict[tuple[int, int], StreamStaging] = {}
         self.tiers: Tiers | None = None
         # Tiers replaced while a CUDA graph still reads them: freed at close.
@@ -215,7 +213,7 @@ class Table:
         self._state_lock = threading.Lock()
         self._calls = 0
         self._closing = False
-        self._same_files = f"{name}@{_files_digest(self.paths, self._layout)}"
+        self._same_files = f"{name}@{_files_digest(files, self._layout)}"
         self._native = native.open_table(
             [os.fsencode(p) for p in self.paths], [file_index[s.path] for s in shards],
             [s.offset for s in shards], self.shard_rows, self.row_bytes)
