@@ -45,13 +45,13 @@ def _gather(table: Table, handle: int, tiers: Tiers | None, ids: torch.Tensor,
             dtype: torch.dtype, scale: float) -> torch.Tensor:
     """disk_gather_cuda with the table's native handle and one snapshot of its tiers."""
     stream = torch.cuda.current_stream(ids.device)
-    staging = table.staging_for(stream)
+    capturing = torch.cuda.is_current_stream_capturing()
+    staging = table.staging_for(stream, capturing)
     _raise_earlier_error(table, handle, staging, stream)
     out = torch.empty((*ids.shape, table.cols), dtype=dtype, device=ids.device)
     n = ids.numel()
     if n == 0:
         return out
-    capturing = torch.cuda.is_current_stream_capturing()
     resident_range = (0, 0)
     if tiers is not None:
         tiers.check_device(ids.device, table.name)

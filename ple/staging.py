@@ -47,7 +47,8 @@ class StreamStaging:
     passed the point where they were replaced (never, for buffers a graph
     captured: those live until the table closes)."""
 
-    def __init__(self, stream: torch.cuda.Stream, row_bytes: int):
+    def __init__(self, stream: torch.cuda.Stream, row_bytes: int,
+                 bad_id_flag: PinnedBuffer | None = None):
         self.stream = stream
         self.row_bytes = row_bytes
         self.capacity = 0  # rows
@@ -55,8 +56,10 @@ class StreamStaging:
         self.rows: PinnedBuffer | None = None
         self.status = PinnedBuffer(4)
         # Set by a call whose rows were all resident (no host gather checked
-        # its ids) when an id was out of range.
-        self.bad_id_flag = PinnedBuffer(4)
+        # its ids) when an id was out of range; a graph's buffers share their
+        # stream's, so that the next eager call there raises.
+        self._owns_flag = bad_id_flag is None
+        self.bad_id_flag = PinnedBuffer(4) if bad_id_flag is None else bad_id_flag
         self._retired: list[tuple[torch.cuda.Event | None, PinnedBuffer]] = []
 
     def reserve(self, n: int, capturing: bool) -> None:
@@ -119,7 +122,8 @@ class StreamStaging:
         self._retired = keep
 
     def nbytes(self) -> int:
-        live = [b for b in (self.ids, self.rows, self.status, self.bad_id_flag) if b is not None]
+        flag = self.bad_id_flag if self._owns_flag else None
+        live = [b for b in (self.ids, self.rows, self.status, flag) if b is not None]
         return sum(b.nbytes for b in live) + sum(b.nbytes for _, b in self._retired)
 
     def free(self) -> None:

@@ -6,6 +6,7 @@ Which table of a set of safetensors files is opened: safetensors_tables.py."""
 from __future__ import annotations
 
 import hashlib
+import itertools
 import os
 import sys
 import threading
@@ -205,7 +206,8 @@ class Table:
         self._layout = (name, fmt.name, scale, self.cols,
                         [(file_index[s.path], s.offset, s.shape[0]) for s in shards],
                         [st.st_size for st in files])
-        self._staging: dict[tuple[int, int], StreamStaging] = {}
+        self._staging: dict[tuple[int, ...], StreamStaging] = {}
+        self._captures = itertools.count()  # keys the buffers of each captured graph
         self.tiers: Tiers | None = None
         # Tiers replaced while a CUDA graph still reads them: freed at close.
         self._retired_tiers: list[Tiers] = []
@@ -499,9 +501,17 @@ class Table:
         finally:
             self.release(tiers)
 
-    def staging_for(self, stream: torch.cuda.Stream) -> StreamStaging:
-        """The pinned buffers of this table on a CUDA stream."""
+    def staging_for(self, stream: torch.cuda.Stream, capturing: bool = False) -> StreamStaging:
+        """The pinned buffers of this table on a CUDA stream.  A graph being
+        captured gets buffers of its own: it may be replayed on any stream,
+        beside other graphs captured on the same stream (torch.cuda.graph
+        captures every graph on one side stream unless told otherwise)."""
         key = (stream.device.index, stream.cuda_stream)
+        if capturing:
+            flag = self.staging_for(stream).bad_id_flag
+            staging = StreamStaging(stream, self.row_bytes, bad_id_flag=flag)
+            self._staging[(*key, next(self._captures))] = staging
+            return staging
         staging = self._staging.get(key)
         if staging is None:
             staging = self._staging[key] = StreamStaging(stream, self.row_bytes)
