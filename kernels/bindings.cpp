@@ -280,6 +280,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   });
   m.def("reset_stats", [](int64_t h) { ple::find_table(h)->counters().reset(); });
   m.def("prefetch", &prefetch, "Starts gathering ids on a background thread for the next gather of them");
+  // Without the GIL: it waits for the prefetch being read.
+  m.def(
+      "drop_prefetches", [](int64_t handle) { ple::find_table(handle)->drop_prefetches(); },
+      py::call_guard<py::gil_scoped_release>(),
+      "Drops the prefetches no gather has taken; returns once none of them is read");
   m.def(
       "launch_host_gather",
       [](uintptr_t stream, int64_t handle, uintptr_t ids, int64_t n, int64_t resident_begin,

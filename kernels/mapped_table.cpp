@@ -110,6 +110,8 @@ MappedTable::~MappedTable() {
 
 void MappedTable::shut_down() { prefetch_.shut_down(); }
 
+void MappedTable::drop_prefetches() { prefetch_.drop_untaken(); }
+
 void MappedTable::lock_for_fork() {
   prefetch_.lock_for_fork();
   row_cache_.mutex().lock();

@@ -107,6 +107,9 @@ class MappedTable {
   // Queues the gather of `ids` on the table's prefetch thread (PrefetchQueue::push).
   void prefetch(std::vector<int64_t> ids, ResidentRange resident);
 
+  // Drops the prefetches no gather has taken (PrefetchQueue::drop_untaken).
+  void drop_prefetches();
+
   // Drops this table's pages from the page cache: unmaps them from this
   // process, then asks the kernel to forget the files' clean pages.  Pages
   // that another mapping holds stay.  Empties the row cache too.

@@ -33,6 +33,23 @@ void PrefetchQueue::shut_down() {
   changed_.notify_all();
 }
 
+void PrefetchQueue::drop_untaken() {
+  std::unique_lock<std::mutex> lock(mutex_);
+  std::shared_ptr<PrefetchRequest> running;
+  for (auto it = pending_.begin(); it != pending_.end();) {
+    if ((*it)->taken) {
+      ++it;
+      continue;
+    }
+    if ((*it)->started && !(*it)->done) running = *it;
+    it = pending_.erase(it);  // out of the queue, no gather can take it now
+  }
+  if (running == nullptr) return;
+  cancel_.store(true);
+  changed_.wait(lock, [&] { return running->done; });
+  if (!stopping_) cancel_.store(false);  // shut_down's cancel stays
+}
+
 void PrefetchQueue::lock_for_fork() { mutex_.lock(); }
 
 void PrefetchQueue::unlock_after_fork(bool in_child) {

@@ -66,6 +66,12 @@ class PrefetchQueue {
   Taken take(const void* ids, bool ids_are_int64, int64_t n, uint8_t* out,
              ResidentRange resident, Interruption& stop);
 
+  // Drops the prefetches that no gather has taken (a lookahead that ended),
+  // cancelling and waiting for the one the thread runs when it is one of
+  // them, so that no read of theirs runs after it returns.  Taken ones stay
+  // for the gathers that wait for them.
+  void drop_untaken();
+
   // Stops the thread (cancelling the gather it runs) and drops the
   // prefetches not yet gathered; gathers waiting for one gather their rows
   // themselves.

@@ -11,13 +11,14 @@ from ple.formats import OUTPUT_DTYPES
 from ple.safetensors_tables import PathsLike
 from ple.table import Table
 
+from .lookahead import DEFAULT_MAX_BYTES, LooksAhead, chunk_ids
 from .parallel import PlacesServedRows, RowSplit, gather, prefetch
 
 # disk_gather's dtypes, and float64, which the rows are widened to from float32.
 DTYPES = (*OUTPUT_DTYPES, torch.float64)
 
 
-class DiskEmbedding(PlacesServedRows, torch.nn.Module):
+class DiskEmbedding(LooksAhead, PlacesServedRows, torch.nn.Module):
     """A drop-in for the lookup of an ``nn.Embedding``: ``forward(ids)`` is
     ``torch.nn.functional.embedding(ids, W)`` bit for bit, ``W`` being the
     table's values (the stored tensor for F32, F16 and BF16 rows; the decoded
@@ -131,6 +132,12 @@ class DiskEmbedding(PlacesServedRows, torch.nn.Module):
         super().__setattr__(name, value)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        rows = self._rows(ids)
+        if self._lookahead is not None:
+            self._gathered(ids.numel())
+        return rows
+
+    def _rows(self, ids: torch.Tensor) -> torch.Tensor:
         dtype = self.dtype
         if dtype in OUTPUT_DTYPES:
             return gather(self.table, ids, dtype, self.split, self.round_scale)
@@ -146,6 +153,14 @@ class DiskEmbedding(PlacesServedRows, torch.nn.Module):
         """Starts reading the rows of a later ``forward`` of ids equal to these
         (on the CPU), so that its gather takes them instead of reading them itself."""
         prefetch(self.table, ids, self.split)
+
+    def lookahead(self, ids: torch.Tensor, chunk_size: int,
+                  max_bytes: int = DEFAULT_MAX_BYTES, dim: int = -1) -> None:
+        """The next forwards are of ``ids`` in chunks, ``ids.split(chunk_size,
+        dim)`` in order (as transformers' chunked prefill splits a prompt
+        ``[batch, length]``): their rows are read ahead, at most ``max_bytes``
+        beyond the chunk being gathered (``ple.layers.lookahead``)."""
+        self._look_ahead(chunk_ids(ids, chunk_size, dim), max_bytes)
 
     def close(self) -> None:
         """Closes the table (unmaps its files); the module cannot run after."""

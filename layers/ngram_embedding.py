@@ -16,6 +16,7 @@ from ple.safetensors_tables import (PathsLike, find_table, missing_table, read_e
 from ple.table import Table
 
 from .ngram_ids import NGramConstants, NGramHashing, decoder_layer
+from .lookahead import DEFAULT_MAX_BYTES, LooksAhead, chunk_ids
 from .parallel import PlacesServedRows, RowSplit, gather, prefetch, served_rows
 
 # The reference checkpoint's table, and where transformers' save_pretrained
@@ -35,7 +36,7 @@ GGUF_EOS = "qwen4exp.ple.eos_token_id"
 GGUF_LAYERS = "qwen4exp.ple.layers"
 
 
-class NGramEmbedding(PlacesServedRows, torch.nn.Module):
+class NGramEmbedding(LooksAhead, PlacesServedRows, torch.nn.Module):
     """Each token's rows from its hash heads (the 2-gram heads, then the
     3-gram heads, ...), concatenated: ``forward(token_ids, seq_ids, context)``
     gives ``[T, heads * table.cols]`` in ``dtype`` on the ids' device.  The
@@ -156,8 +157,10 @@ class NGramEmbedding(PlacesServedRows, torch.nn.Module):
         ``[T]`` each token's request, ``context`` ``[R, ngram_size - 1]`` each
         request's last tokens before this step, oldest first (see
         ``NGramHashing.row_ids``)."""
-        rows = gather(self.table, self.row_ids(token_ids, seq_ids, context), self.dtype,
-                      self.split, self.round_scale)
+        ids = self.row_ids(token_ids, seq_ids, context)
+        rows = gather(self.table, ids, self.dtype, self.split, self.round_scale)
+        if self._lookahead is not None:
+            self._gathered(ids.numel())
         return rows.reshape(token_ids.shape[0], self.embedding_dim)
 
     def prefetch(self, token_ids: torch.Tensor, seq_ids: torch.Tensor | None = None,
@@ -166,6 +169,18 @@ class NGramEmbedding(PlacesServedRows, torch.nn.Module):
         (CPU tensors, equal to the ones that forward gets), so that its gather
         takes them instead of reading them itself."""
         prefetch(self.table, self.row_ids(token_ids, seq_ids, context), self.split)
+
+    def lookahead(self, token_ids: torch.Tensor, chunk_size: int,
+                  seq_ids: torch.Tensor | None = None, context: torch.Tensor | None = None,
+                  max_bytes: int = DEFAULT_MAX_BYTES) -> None:
+        """The next forwards are the chunks of a prompt: ``token_ids[i *
+        chunk_size:(i + 1) * chunk_size]`` in order, each given the same
+        slice of ``seq_ids`` and the context of the tokens before it (the
+        arguments, CPU tensors, are those of one forward of the whole
+        prompt).  Their rows are read ahead, at most ``max_bytes`` beyond the
+        chunk being gathered (``ple.layers.lookahead``)."""
+        self._look_ahead(chunk_ids(self.row_ids(token_ids, seq_ids, context), chunk_size, dim=0),
+                         max_bytes)
 
     @property
     def served_rows(self) -> tuple[int, int]:

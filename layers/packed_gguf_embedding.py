@@ -10,10 +10,11 @@ from ple.config import GatherConfig
 from ple.formats import OUTPUT_DTYPES
 from ple.table import Table
 
+from .lookahead import DEFAULT_MAX_BYTES, LooksAhead, chunk_ids
 from .parallel import PlacesServedRows, RowSplit, gather, prefetch
 
 
-class PackedGGUFEmbedding(PlacesServedRows, torch.nn.Module):
+class PackedGGUFEmbedding(LooksAhead, PlacesServedRows, torch.nn.Module):
     """``forward(token_ids)`` gives ``[*token_ids.shape, cols]`` in ``dtype`` on
     the ids' device.  The table stays in its file in its GGUF format (Q8_0,
     Q4_K, ...), as do the host tiers of ``layer.table.place(...)``; only the
@@ -43,12 +44,22 @@ class PackedGGUFEmbedding(PlacesServedRows, torch.nn.Module):
         self.embedding_dim = table.cols
 
     def forward(self, token_ids: torch.Tensor) -> torch.Tensor:
-        return gather(self.table, token_ids, self.dtype, self.split)
+        rows = gather(self.table, token_ids, self.dtype, self.split)
+        if self._lookahead is not None:
+            self._gathered(token_ids.numel())
+        return rows
 
     def prefetch(self, token_ids: torch.Tensor) -> None:
         """Starts reading the rows of a later ``forward`` of ids equal to these
         (on the CPU), so that its gather takes them instead of reading them itself."""
         prefetch(self.table, token_ids, self.split)
+
+    def lookahead(self, token_ids: torch.Tensor, chunk_size: int,
+                  max_bytes: int = DEFAULT_MAX_BYTES) -> None:
+        """The next forwards are of ``token_ids.split(chunk_size, dim=-1)``, in
+        order: their rows are read ahead, at most ``max_bytes`` beyond the
+        chunk being gathered (``ple.layers.lookahead``)."""
+        self._look_ahead(chunk_ids(token_ids, chunk_size, dim=-1), max_bytes)
 
     def extra_repr(self) -> str:
         split = "" if self.split is None else f", {self.split}"

@@ -501,6 +501,16 @@ class Table:
         finally:
             self.release(tiers)
 
+    def drop_prefetches(self) -> None:
+        """Drops the prefetches that no gather has taken yet (their rows are
+        freed), cancelling the one being read: when it returns, no read of
+        theirs runs.  A gather already waiting for its prefetch keeps it."""
+        handle, tiers = self.acquire()
+        try:
+            native.drop_prefetches(handle)
+        finally:
+            self.release(tiers)
+
     def staging_for(self, stream: torch.cuda.Stream, capturing: bool = False) -> StreamStaging:
         """The pinned buffers of this table on a CUDA stream.  A graph being
         captured gets buffers of its own: it may be replayed on any stream,
