@@ -106,9 +106,13 @@ from torch import nn
 
 from ple.config import GatherConfig
 from ple.layers.disk_embedding import DTYPES, DiskEmbedding
+from ple.layers.lookahead import DEFAULT_MAX_BYTES as DEFAULT_LOOKAHEAD_BYTES
+from ple.layers.lookahead import MOST_BYTES as MOST_LOOKAHEAD_BYTES
 from ple.safetensors_header import TensorEntry
 from ple.safetensors_tables import closest_names, describe_files
 from ple.table import SHARD_NAME, Table, read_checkpoint_entries
+
+from . import prefill_lookahead
 
 logger = logging.getLogger(__name__)
 
@@ -180,36 +184,81 @@ def close_tables(model: nn.Module) -> None:
             module.close()
 
 
-class _SavePretrained:
-    """``model.save_pretrained`` of a model with ple tables (an attribute of
-    the model: from_pretrained gives it back as its own transformers class):
-    refuses a directory holding any of the tables' files, then saves as the
-    class does.  It holds its model by a weak reference, so the model is
-    freed, and its tables closed, as soon as it is dropped; a pickled or
-    deep-copied model gets one bound to the copy."""
+class _ModelMethod:
+    """A method of one model with ple tables that does more than its class's
+    (an attribute of the model: from_pretrained gives it back as its own
+    transformers class).  It holds its model by a weak reference, so the
+    model is freed, and its tables closed, as soon as it is dropped; a
+    pickled or deep-copied model gets one bound to the copy."""
 
-    def __init__(self, model: nn.Module):
+    name: str  # the method's name
+
+    def __init__(self, model: nn.Module, *settings):
         self._model = weakref.ref(model)
-        self.__doc__ = type(model).save_pretrained.__doc__
+        self._settings = settings
+        self.__doc__ = getattr(type(model), self.name).__doc__
+
+    def __reduce__(self):
+        return type(self), (self._model(), *self._settings)
+
+    def __deepcopy__(self, memo):
+        model = self._model()
+        return type(self)(memo.get(id(model), model), *self._settings)
+
+    @classmethod
+    def install(cls, model: nn.Module, *settings) -> None:
+        if callable(getattr(type(model), cls.name, None)):
+            setattr(model, cls.name, cls(model, *settings))
+
+
+class _SavePretrained(_ModelMethod):
+    """``model.save_pretrained``: refuses a directory holding any of the
+    tables' files, then saves as the class does."""
+
+    name = "save_pretrained"
 
     def __call__(self, save_directory: str | os.PathLike, *args, **kwargs):
         model = self._model()
         _refuse_saving_over_tables(model, save_directory)
         return type(model).save_pretrained(model, save_directory, *args, **kwargs)
 
-    def __reduce__(self):
-        return _SavePretrained, (self._model(),)
 
-    def __deepcopy__(self, memo):
+class _GenerateWithLookahead(_ModelMethod):
+    """``model.generate``: with a prefill chunk size (``prefill_chunk_size=``
+    or the generation config's), the offloaded modules read each coming
+    chunk's rows while the one before computes, at most ``lookahead_bytes``
+    ahead each (``ple.integrations.prefill_lookahead``); then generates as
+    the class does.  Nothing read ahead outlives the call."""
+
+    name = "generate"
+
+    def __call__(self, inputs: torch.Tensor | None = None, *args, **kwargs):
         model = self._model()
-        return _SavePretrained(memo.get(id(model), model))
+        (lookahead_bytes,) = self._settings
+        prompt = inputs if inputs is not None else kwargs.get("input_ids")
+        chunk_size = prefill_lookahead.prefill_chunk_size(model, kwargs)
+        planned = []
+        if lookahead_bytes and chunk_size and isinstance(prompt, torch.Tensor):
+            planned = prefill_lookahead.start(model, prompt, chunk_size, lookahead_bytes)
+        try:
+            return type(model).generate(model, inputs, *args, **kwargs)
+        finally:
+            prefill_lookahead.end(planned)
 
 
-def _guard_save_pretrained(model: nn.Module) -> None:
-    """Gives a transformers model with ple tables its guarded save_pretrained."""
-    if callable(getattr(type(model), "save_pretrained", None)) and not isinstance(
-            vars(model).get("save_pretrained"), _SavePretrained):
-        model.save_pretrained = _SavePretrained(model)
+def _install_methods(model: nn.Module, lookahead_mib: int) -> None:
+    """Gives a transformers model with ple tables its guarded save_pretrained
+    and its generate with lookahead."""
+    _SavePretrained.install(model)
+    _GenerateWithLookahead.install(model, _lookahead_bytes(lookahead_mib))
+
+
+def _lookahead_bytes(lookahead_mib: int) -> int:
+    if (not isinstance(lookahead_mib, int) or isinstance(lookahead_mib, bool)
+            or not 0 <= lookahead_mib << 20 <= MOST_LOOKAHEAD_BYTES):
+        raise ValueError(f"lookahead_mib must be an int in [0, {MOST_LOOKAHEAD_BYTES >> 20}] "
+                         f"(0: no lookahead), not {lookahead_mib!r}")
+    return lookahead_mib << 20
 
 
 def _refuse_saving_over_tables(model: nn.Module, save_directory: str | os.PathLike) -> None:
@@ -247,7 +296,8 @@ def _same_directory(a: str | os.PathLike, b: str | os.PathLike) -> bool:
 
 def from_pretrained(model_class, path: str | os.PathLike, *, offload: str | Iterable[str] = "auto",
                     gather_config: GatherConfig | None = None, process_group=None,
-                    round_scale: bool = True, **kwargs):
+                    round_scale: bool = True,
+                    lookahead_mib: int = DEFAULT_LOOKAHEAD_BYTES >> 20, **kwargs):
     """``model_class.from_pretrained(path, **kwargs)`` with the tables of
     ``offload`` ("auto", or module names such as ``"model.embed_tokens"``)
     left in the checkpoint's files and served by ple, each table opened with
@@ -272,7 +322,13 @@ def from_pretrained(model_class, path: str | os.PathLike, *, offload: str | Iter
     the tables.  With ``"auto"`` and a checkpoint that has no table it
     serves, the model loads as usual (a warning says so); a table it serves
     that no module of the model would take is a ValueError, raised before
-    any weight is read."""
+    any weight is read.
+
+    ``lookahead_mib``: in ``model.generate(..., prefill_chunk_size=N)``, each
+    offloaded module reads the rows of the prompt's coming chunks while the
+    one before computes, at most this many MiB ahead (0: not at all;
+    ``ple.integrations.prefill_lookahead``)."""
+    _lookahead_bytes(lookahead_mib)  # a bad value raises before anything is read
     for unsupported in ("gguf_file", "state_dict"):
         if kwargs.get(unsupported) is not None:
             raise ValueError(f"ple.integrations.transformers.from_pretrained serves tables from "
@@ -319,7 +375,7 @@ def from_pretrained(model_class, path: str | os.PathLike, *, offload: str | Iter
             module.reset_scale()
     model.ple_offloaded = found
     if found:
-        _guard_save_pretrained(model)
+        _install_methods(model, lookahead_mib)
     _report(found, model, directory, offload)
     return loaded
 
@@ -327,7 +383,8 @@ def from_pretrained(model_class, path: str | os.PathLike, *, offload: str | Iter
 def offload(model: nn.Module, path: str | os.PathLike | Iterable[str | os.PathLike],
             names: str | Iterable[str] = "auto", *, gather_config: GatherConfig | None = None,
             key_mapping: dict[str, str] | None = None, process_group=None,
-            round_scale: bool = True) -> dict[str, Table]:
+            round_scale: bool = True,
+            lookahead_mib: int = DEFAULT_LOOKAHEAD_BYTES >> 20) -> dict[str, Table]:
     """Swaps the embeddings ``names`` ("auto", or module names) of a model
     already built, on the meta device or not, for :class:`DiskEmbedding`
     modules over their tables in the checkpoint ``path`` (a directory as for
@@ -335,9 +392,10 @@ def offload(model: nn.Module, path: str | os.PathLike | Iterable[str | os.PathLi
     are on the old weights' device (the CPU for a meta weight).  Returns the
     tables it opened by module name, and records them in
     ``model.ple_offloaded`` as :func:`from_pretrained` does.  ``process_group``
-    and ``round_scale`` as for :func:`from_pretrained`; a model that transformers has already
+    ``round_scale`` and ``lookahead_mib`` as for :func:`from_pretrained`; a model that transformers has already
     distributed keeps the tensor-parallel hooks it installed, so offload
     before distributing it."""
+    _lookahead_bytes(lookahead_mib)
     if isinstance(path, (str, os.PathLike)) and Path(path).is_dir():
         files = checkpoint_files(Path(path))
     else:
@@ -352,7 +410,7 @@ def offload(model: nn.Module, path: str | os.PathLike | Iterable[str | os.PathLi
     offloaded.update({name: tensor for name, (_, tensor) in swapped.items()})
     model.ple_offloaded = offloaded
     if offloaded:
-        _guard_save_pretrained(model)
+        _install_methods(model, lookahead_mib)
     _report({name: tensor for name, (_, tensor) in swapped.items()}, model, files[0].parent, names)
     return {name: module.table for name, (module, _) in swapped.items()}
 

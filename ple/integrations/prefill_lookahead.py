@@ -1,0 +1,92 @@
+"""Lookahead for transformers' chunked prefill.
+
+``generate(..., prefill_chunk_size=N)`` prefills a prompt ``[batch, length]``
+in chunks, ``input_ids.split(N, dim=-1)``, one forward each.  Before
+transformers' own ``generate`` runs, :func:`start` hands every offloaded
+module (``DiskEmbedding``) the row ids its forwards will gather, chunk by
+chunk (``DiskEmbedding.lookahead``), so that each chunk's rows are read
+while the chunk before computes; :func:`end` drops what was read ahead and
+not gathered, when ``generate`` returns or raises.  The ids are those the
+modules' owners compute:
+
+- an n-gram table (``Qwen4ExpTextNGramEmbedding.ngram_embedding``): the
+  owner's hashed n-gram ids ``[batch, length, heads]``, by
+  ``ple.layers.NGramHashing`` with the owner's own constants (its buffers),
+  a new request's history being all EOS as in the owner's first forward;
+- any other table (Gemma 3n's ``embed_tokens_per_layer``, a token
+  embedding): the token ids, those outside the table taken as 0 as Gemma 3n
+  does for its per-layer inputs.
+
+A forward whose ids differ from the plan reads its own rows (the bytes are
+right either way), and a plan ends at the first forward of another size.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ple.layers.disk_embedding import DiskEmbedding
+from ple.layers.ngram_ids import NGramConstants, NGramHashing
+
+__all__ = ["end", "prefill_chunk_size", "start"]
+
+
+def prefill_chunk_size(model: nn.Module, kwargs: dict) -> int | None:
+    """The chunk size a ``generate(**kwargs)`` of ``model`` prefills with."""
+    if kwargs.get("prefill_chunk_size") is not None:
+        return kwargs["prefill_chunk_size"]
+    config = kwargs.get("generation_config") or getattr(model, "generation_config", None)
+    return getattr(config, "prefill_chunk_size", None)
+
+
+def start(model: nn.Module, prompt: torch.Tensor, chunk_size: int, max_bytes: int
+          ) -> list[DiskEmbedding]:
+    """Gives each offloaded module of ``model`` the plan of a prefill of
+    ``prompt`` (``[batch, length]`` token ids) in chunks of ``chunk_size``;
+    returns the modules that look ahead."""
+    prompt = prompt.to("cpu", torch.int64)
+    if prompt.dim() != 2 or prompt.shape[1] <= chunk_size:
+        return []  # one chunk: its forward reads its rows itself, nothing to overlap
+    planned = []
+    try:
+        for owner in model.modules():
+            for child in owner.children():
+                if isinstance(child, DiskEmbedding):
+                    ids, dim = _prompt_ids(owner, child, prompt)
+                    child.lookahead(ids, chunk_size, max_bytes, dim=dim)
+                    planned.append(child)
+    except BaseException:
+        end(planned)
+        raise
+    return planned
+
+
+def end(modules: list[DiskEmbedding]) -> None:
+    """Ends the modules' plans: when it returns, no read of theirs runs."""
+    for module in modules:
+        module.end_lookahead()
+
+
+def _prompt_ids(owner: nn.Module, module: DiskEmbedding, prompt: torch.Tensor
+                ) -> tuple[torch.Tensor, int]:
+    """The ids ``module`` gathers for ``prompt``, and their length dimension."""
+    if getattr(owner, "ngram_embedding", None) is module:
+        batch, length = prompt.shape
+        seq_ids = torch.arange(batch).repeat_interleave(length)
+        ids = _hashing(owner).row_ids(prompt.reshape(-1), seq_ids)
+        return ids.view(batch, length, -1), 1
+    in_table = (prompt >= 0) & (prompt < module.num_embeddings)
+    return torch.where(in_table, prompt, 0), -1
+
+
+def _hashing(owner: nn.Module) -> NGramHashing:
+    """The hashing of a transformers ``Qwen4ExpTextNGramEmbedding``, with its own constants."""
+    constants = NGramConstants(
+        layer_multipliers=owner.layer_multipliers.tolist(),
+        head_vocab_sizes=owner.ngram_heads_vocab_sizes.tolist(),
+        head_offsets=owner.ngram_heads_offsets.tolist())
+    return NGramHashing(vocab_size=owner.unigram_vocab_size, eos_id=owner.eos_token_id,
+                        base_size=owner.ngram_vocab_size_base, ngram_size=owner.ngram_size,
+                        heads_per_ngram=owner.heads_per_ngram, seed=owner.seed,
+                        ple_layer_index=owner.ple_layer_index, constants=constants)
