@@ -134,7 +134,7 @@ class DiskEmbedding(LooksAhead, PlacesServedRows, torch.nn.Module):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         rows = self._rows(ids)
         if self._lookahead is not None:
-            self._gathered(ids.numel())
+            self._gathered(ids)
         return rows
 
     def _rows(self, ids: torch.Tensor) -> torch.Tensor:

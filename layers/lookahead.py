@@ -37,7 +37,13 @@ MOST_BYTES = 256 << 20
 
 class Lookahead:
     """The coming chunks of one layer's forwards: their row ids (CPU int64,
-    each as one forward will gather it), and how many are read ahead."""
+    each as one forward will gather it), and what is read ahead.
+
+    The bound covers every chunk whose rows a prefetch holds: those not yet
+    forwarded and those whose gather a forward has enqueued on a GPU that has
+    not reached it yet (the host thread runs ahead of the stream).  Where
+    the next chunk does not fit, the forward waits for the oldest of those
+    gathers before it reads ahead."""
 
     def __init__(self, table: Table, split: RowSplit | None, chunks: list[torch.Tensor],
                  max_bytes: int):
@@ -48,33 +54,42 @@ class Lookahead:
         self.split = split
         self.max_bytes = max_bytes
         self._coming = deque(chunks)
-        self._read_ahead: deque[int] = deque()  # ids of each prefetched chunk not yet gathered
+        self._read_ahead: deque[int] = deque()  # ids of each prefetched chunk not yet forwarded
+        # Ids of each chunk forwarded on a GPU, and an event past its gather.
+        self._in_flight: deque[tuple[int, torch.cuda.Event]] = deque()
         self._fill()
 
     @property
     def bytes_ahead(self) -> int:
         """The rows' bytes of the chunks read ahead and not yet gathered."""
-        return sum(self._read_ahead) * self.table.row_bytes
+        ids = sum(self._read_ahead) + sum(n for n, _ in self._in_flight)
+        return ids * self.table.row_bytes
 
     def _fill(self) -> None:
         """Prefetches the next chunks while they fit in max_bytes (always one)."""
-        held = self.bytes_ahead
+        while self._in_flight and self._in_flight[0][1].query():
+            self._in_flight.popleft()
         while self._coming:
-            n = self._coming[0].numel()
-            if self._read_ahead and held + n * self.table.row_bytes > self.max_bytes:
-                return
+            wanted = self._coming[0].numel() * self.table.row_bytes
+            while self.bytes_ahead and self.bytes_ahead + wanted > self.max_bytes:
+                if not self._in_flight:
+                    return
+                self._in_flight.popleft()[1].synchronize()
             prefetch(self.table, self._coming.popleft(), self.split)
-            self._read_ahead.append(n)
-            held += n * self.table.row_bytes
+            self._read_ahead.append(wanted // self.table.row_bytes)
 
-    def gathered(self, n: int) -> bool:
-        """A forward has enqueued the gather of ``n`` ids: reads ahead what
-        now fits.  Returns False when the plan has ended (the chunks are
-        done, or ``n`` is not the next chunk's size)."""
+    def gathered(self, n: int, device: torch.device) -> bool:
+        """A forward has enqueued the gather of ``n`` ids on ``device``: reads
+        ahead what now fits.  Returns False when the plan has ended (the
+        chunks are done, or ``n`` is not the next chunk's size)."""
         if not self._read_ahead or self._read_ahead[0] != n:
             self.end()
             return False
         self._read_ahead.popleft()
+        if device.type == "cuda":
+            gathered = torch.cuda.Event()
+            gathered.record(torch.cuda.current_stream(device))
+            self._in_flight.append((n, gathered))
         self._fill()
         return bool(self._read_ahead)
 
@@ -82,13 +97,15 @@ class Lookahead:
         """Drops the table's prefetches that no gather has taken."""
         self._coming.clear()
         self._read_ahead.clear()
+        self._in_flight.clear()
         self.table.drop_prefetches()
 
 
 class LooksAhead:
     """``lookahead`` for a layer over ``self.table`` and ``self.split``: the
     layer's ``lookahead`` method builds the chunks' ids and calls
-    :meth:`_look_ahead`; its forward calls :meth:`_gathered` after its gather."""
+    :meth:`_look_ahead`; its forward calls :meth:`_gathered` with the ids
+    after their gather."""
 
     _lookahead: Lookahead | None = None
 
@@ -98,8 +115,8 @@ class LooksAhead:
             self._lookahead = Lookahead(self.table, self.split, chunks, max_bytes)
 
     @torch.compiler.disable
-    def _gathered(self, n: int) -> None:
-        if not self._lookahead.gathered(n):
+    def _gathered(self, ids: torch.Tensor) -> None:
+        if not self._lookahead.gathered(ids.numel(), ids.device):
             self._lookahead = None
 
     def end_lookahead(self) -> None:
@@ -118,7 +135,8 @@ class LooksAhead:
     @property
     def lookahead_bytes(self) -> int:
         """The rows' bytes read ahead for chunks not yet gathered (at most
-        the plan's ``max_bytes``, or one chunk's when that is larger)."""
+        the plan's ``max_bytes``, or one chunk's when that is larger); on a
+        GPU, a forwarded chunk counts until the stream has passed its gather."""
         return 0 if self._lookahead is None else self._lookahead.bytes_ahead
 
 

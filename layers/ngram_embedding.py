@@ -160,7 +160,7 @@ class NGramEmbedding(LooksAhead, PlacesServedRows, torch.nn.Module):
         ids = self.row_ids(token_ids, seq_ids, context)
         rows = gather(self.table, ids, self.dtype, self.split, self.round_scale)
         if self._lookahead is not None:
-            self._gathered(ids.numel())
+            self._gathered(ids)
         return rows.reshape(token_ids.shape[0], self.embedding_dim)
 
     def prefetch(self, token_ids: torch.Tensor, seq_ids: torch.Tensor | None = None,

@@ -46,7 +46,7 @@ class PackedGGUFEmbedding(LooksAhead, PlacesServedRows, torch.nn.Module):
     def forward(self, token_ids: torch.Tensor) -> torch.Tensor:
         rows = gather(self.table, token_ids, self.dtype, self.split)
         if self._lookahead is not None:
-            self._gathered(token_ids.numel())
+            self._gathered(token_ids)
         return rows
 
     def prefetch(self, token_ids: torch.Tensor) -> None:

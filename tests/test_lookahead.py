@@ -161,3 +161,26 @@ def test_cuda_chunks_read_ahead(layer):
         assert_same_bits_but_nan(got, want)
     torch.cuda.synchronize()
     assert layer.table.stats()["prefetch_hits"] == len(expected)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_the_bound_holds_while_the_host_runs_ahead_of_the_stream(layer):
+    """The stream sleeps first, so every forward is enqueued before any of
+    its gathers runs: chunks forwarded but not gathered still count, and the
+    forwards wait for the stream rather than read more ahead."""
+    tokens = prompt(7)
+    expected = forward_chunks(layer, tokens, 3)
+    chunk_bytes = 3 * layer.hashing.heads * layer.table.row_bytes
+    layer.table.reset_stats()
+    layer.lookahead(tokens, 3, max_bytes=2 * chunk_bytes)
+    torch.cuda._sleep(50_000_000)
+    got, seen = [], []
+    for chunk, context in chunks_of(tokens, 3):
+        got.append(layer(chunk.cuda(), torch.zeros(len(chunk), dtype=torch.int64, device="cuda"),
+                         context.cuda()))
+        seen.append(layer.lookahead_bytes)
+    assert max(seen) <= 2 * chunk_bytes
+    for rows, want in zip(got, expected):
+        assert_same_bits_but_nan(rows, want)
+    torch.cuda.synchronize()
+    assert layer.table.stats()["prefetch_hits"] == len(expected)
