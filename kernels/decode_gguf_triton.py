@@ -35,6 +35,7 @@ import triton.language as tl
 
 from ple.formats import BLOCK_FORMATS, RowFormat
 from ple.kernels.decode_triton import f32_to_bf16_rne, launch_decoder
+from ple.kernels.tier_rows_triton import TierRead, call_row
 
 # IQ4_NL's 16 non-linear levels (gguf.quants.IQ4_NL.kvalues), as int8 bytes packed
 # little-endian into two int64 words, levels 0-7 and 8-15: a lane picks its level
@@ -80,23 +81,34 @@ def iq4_nl_level(nib):
 
 @triton.jit
 def decode_blocks_kernel(
-    staged_ptr,  # *u8 [n, row_bytes]; device memory, or pinned host memory read over UVA
-    status_ptr,  # *i32, one word: nonzero when the host gather that filled staged failed
+    rows_ptr,  # *u8 [n, row_bytes]: the staged rows; device memory, or pinned host memory read over UVA
+    status_ptr,  # *i32, one word: nonzero when the call failed (HAS_STATUS)
     out_ptr,  # *fp32 | *fp16 | *bf16 [n, cols]; its element type is the output dtype (compile-time)
     cols,
     row_bytes,
+    # Where each row lies with tiers: tier_rows_triton.call_row.
+    ids_ptr, device_ptr, host_ptr, first_row, device_rows, tier_rows, num_rows, hits_ptr, report_ptr,
     FMT: tl.constexpr,  # RowFormat.name of a block format
+    BLOCK: tl.constexpr,
+    TIERS: tl.constexpr,
+    HAS_STATUS: tl.constexpr,
+    SCAN_IDS: tl.constexpr,
     QK: tl.constexpr,  # values per block (RowFormat.block_size)
     BB: tl.constexpr,  # bytes per block (RowFormat.block_bytes)
-    BLOCK: tl.constexpr,
 ):
-    # Grid: (rows, column blocks).  Row offsets in int64: row * row_bytes and
-    # row * cols pass 2^31 on large tables.  Within a row int32 is enough.
+    # Grid: (rows, column blocks).  Row offsets in int64 (call_row): row *
+    # row_bytes and row * cols pass 2^31 on large tables.  Within a row int32
+    # is enough.
+    src, failed = call_row(rows_ptr, status_ptr, row_bytes, ids_ptr, device_ptr, host_ptr, first_row,
+                           device_rows, tier_rows, num_rows, hits_ptr, report_ptr, TIERS, HAS_STATUS,
+                           SCAN_IDS)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < cols
+    in_row = offs < cols
+    # A failed call reads nothing (decode_triton.py says why, and why a bound).
+    mask = offs < tl.where(failed, 0, cols)
     OUT: tl.constexpr = out_ptr.dtype.element_ty
-    blk = staged_ptr + row * row_bytes + (offs // QK) * BB  # this lane's block
+    blk = src + (offs // QK) * BB  # this lane's block
     k = offs % QK  # this lane's value within its block
 
     if FMT == "q8_0":
@@ -146,23 +158,23 @@ def decode_blocks_kernel(
         out = f32_to_bf16_rne(v)
     else:
         out = v.to(OUT)  # f32 -> f16, round to nearest even
-    # A failed gather leaves stale bytes in staged: write NaN, never old rows.
-    failed = tl.load(status_ptr) != 0
     out = tl.where(failed, tl.full([BLOCK], float("nan"), tl.float32).to(OUT), out)
-    tl.store(out_ptr + row * cols + offs, out, mask=mask)
+    tl.store(out_ptr + row * cols + offs, out, mask=in_row)
 
 
 FORMAT_NAMES = tuple(BLOCK_FORMATS)
 
 
-def decode_blocks_triton(staged: torch.Tensor, fmt: RowFormat, scale: float, out: torch.Tensor,
-                         status: torch.Tensor | None = None) -> torch.Tensor:
+def decode_blocks_triton(staged: torch.Tensor | None, fmt: RowFormat, scale: float,
+                         out: torch.Tensor, status: torch.Tensor | None = None,
+                         tiers: TierRead | None = None) -> torch.Tensor:
     """Decode staged row ``i`` of GGUF blocks (uint8 ``[n, row_bytes]``,
     contiguous) into ``out[i]`` (``[n, cols]`` float32/float16/bfloat16,
     contiguous); returns ``out``.  The signature of ``decode_rows_triton``;
     ``scale`` is unused (block formats carry their own scales).
-    ``status``: an int32 word; when it is nonzero at run time every value is NaN."""
+    ``status``: an int32 word; when it is nonzero at run time every value is NaN.
+    ``tiers``: read each row where it lies instead (``launch_decoder``)."""
     if fmt.name not in FORMAT_NAMES:
         raise ValueError(f"no Triton block decoder for row format {fmt.name!r}")
-    return launch_decoder(decode_blocks_kernel, staged, fmt, out, status, QK=fmt.block_size,
+    return launch_decoder(decode_blocks_kernel, staged, fmt, out, status, tiers, QK=fmt.block_size,
                           BB=fmt.block_bytes, **LAUNCH_OPTIONS)

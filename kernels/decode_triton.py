@@ -17,11 +17,14 @@ Only imported where triton is available.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
 
 from ple.formats import OUTPUT_DTYPES, RowFormat
+from ple.kernels.tier_rows_triton import TierRead, call_row
 
 
 @triton.jit
@@ -56,21 +59,32 @@ def f32_to_bf16_rne(x):
 
 @triton.jit
 def decode_rows_kernel(
-    staged_ptr,  # *u8 [n, row_bytes]; device memory, or pinned host memory read over UVA
-    status_ptr,  # *i32, one word: nonzero when the host gather that filled staged failed
+    rows_ptr,  # *u8 [n, row_bytes]: the staged rows; device memory, or pinned host memory read over UVA
+    status_ptr,  # *i32, one word: nonzero when the call failed (HAS_STATUS)
     out_ptr,  # *fp32 | *fp16 | *bf16 [n, cols]; its element type is the output dtype (compile-time)
     cols,
     row_bytes,
+    # Where each row lies with tiers: tier_rows_triton.call_row.
+    ids_ptr, device_ptr, host_ptr, first_row, device_rows, tier_rows, num_rows, hits_ptr, report_ptr,
     scale,  # fp32; used by the scaled formats only
     FMT: tl.constexpr,  # RowFormat.name
     BLOCK: tl.constexpr,
+    TIERS: tl.constexpr,
+    HAS_STATUS: tl.constexpr,
+    SCAN_IDS: tl.constexpr,
 ):
     # Grid: (rows, column blocks).  Row offsets in int64: row * row_bytes and
     # row * cols pass 2^31 on large tables.
+    src, failed = call_row(rows_ptr, status_ptr, row_bytes, ids_ptr, device_ptr, host_ptr, first_row,
+                           device_rows, tier_rows, num_rows, hits_ptr, report_ptr, TIERS, HAS_STATUS,
+                           SCAN_IDS)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < cols
-    src = staged_ptr + row * row_bytes
+    in_row = offs < cols
+    # A failed call reads nothing: its staged bytes may be stale, and a bad
+    # id's row is nowhere.  (A bound, not in_row & ~failed: the interpreter
+    # mistypes a scalar bool broadcast into a mask.)
+    mask = offs < tl.where(failed, 0, cols)
     OUT: tl.constexpr = out_ptr.dtype.element_ty
 
     if FMT == "f32":
@@ -98,58 +112,74 @@ def decode_rows_kernel(
         out = f32_to_bf16_rne(v.to(tl.float32))  # f16 -> f32 is exact; torch goes through float too
     else:
         out = v.to(OUT)  # f32 <-> f16 (round to nearest even), bf16-as-f32 -> f16
-    # A failed gather leaves stale bytes in staged: write NaN, never old rows.
-    failed = tl.load(status_ptr) != 0
     out = tl.where(failed, tl.full([BLOCK], float("nan"), tl.float32).to(OUT), out)
-    tl.store(out_ptr + row * cols + offs, out, mask=mask)
+    tl.store(out_ptr + row * cols + offs, out, mask=in_row)
 
 
 FORMAT_NAMES = ("f32", "f16", "bf16", "fp8_e4m3fn", "u8", "i8")
 MAX_BLOCK = 1024
 
 
-def check_and_grid(staged: torch.Tensor, fmt: RowFormat, out: torch.Tensor
-                   ) -> tuple[int, tuple[int, int]]:
-    """Checks that ``staged`` (contiguous uint8 ``[n, row_bytes]``) holds
-    ``fmt`` rows of ``out`` (contiguous ``[n, cols]`` float32/float16/
-    bfloat16); returns the column block and the grid of a row decoder
-    (the grid is empty when there is nothing to decode)."""
-    if out.dtype not in OUTPUT_DTYPES:
-        raise ValueError(f"unsupported output dtype {out.dtype}")
-    if staged.dtype != torch.uint8 or staged.dim() != 2 or not staged.is_contiguous():
-        raise ValueError("staged must be a contiguous uint8 [n, row_bytes] tensor")
+@functools.cache
+def row_layout(fmt: RowFormat, dtype: torch.dtype, cols: int) -> tuple[int, int]:
+    """``(column block, row bytes)`` of a decoder of ``fmt`` rows into ``cols``
+    values of ``dtype``, after checking that it can decode them.  Cached: a
+    call's checks cost one lookup once a shape has been seen."""
+    if dtype not in OUTPUT_DTYPES:
+        raise ValueError(f"unsupported output dtype {dtype}")
+    if fmt.is_block and cols % fmt.block_size:
+        raise ValueError(f"{cols} values are not whole {fmt.name} blocks of {fmt.block_size}")
+    return min(MAX_BLOCK, triton.next_power_of_2(max(cols, 1))), fmt.row_bytes(cols)
+
+
+def without_tiers(placeholder: torch.Tensor) -> tuple:
+    """call_row's arguments ``ids_ptr`` to ``report_ptr`` of a call without
+    tiers: none is read, so the pointers may be any tensor's."""
+    return (placeholder,) * 3 + (0, 0, 0, 0) + (placeholder,) * 2
+
+
+def launch_decoder(kernel, staged: torch.Tensor | None, fmt: RowFormat, out: torch.Tensor,
+                   status: torch.Tensor | None, tiers: TierRead | None, *args, **meta
+                   ) -> torch.Tensor:
+    """Launches a row decoder ``kernel(staged, status, out, cols, row_bytes,
+    <tiers>, *args, FMT=, BLOCK=, TIERS=, HAS_STATUS=, SCAN_IDS=, **meta)``
+    over ``out`` (contiguous ``[n, cols]`` float32/float16/bfloat16), each
+    row read from ``staged`` (contiguous uint8 ``[n, row_bytes]`` of ``fmt``
+    rows) or, with ``tiers``, where ``tiers`` says (then ``staged`` holds
+    the rows that are not resident, or is None when every row is).  Every
+    value is NaN when ``status`` (an int32 word) is nonzero at run time.
+    Returns ``out``."""
     if out.dim() != 2 or not out.is_contiguous():
         raise ValueError("out must be a contiguous [n, cols] tensor")
-    n, row_bytes = staged.shape
-    cols = out.shape[1]
-    whole_blocks = not fmt.is_block or cols % fmt.block_size == 0
-    if out.shape[0] != n or not whole_blocks or row_bytes != fmt.row_bytes(cols):
-        raise ValueError(f"staged {tuple(staged.shape)} does not hold {fmt.name} rows of out {tuple(out.shape)}")
-    block = min(MAX_BLOCK, triton.next_power_of_2(max(cols, 1)))
-    # Rows on axis 0 (up to 2^31 - 1), column blocks on axis 1 (<= 65535).
-    return block, (n, triton.cdiv(cols, block))
-
-
-def launch_decoder(kernel, staged: torch.Tensor, fmt: RowFormat, out: torch.Tensor,
-                   status: torch.Tensor | None, *args, **meta) -> torch.Tensor:
-    """Launches a row decoder ``kernel(staged, status, out, cols, row_bytes,
-    *args, FMT=, BLOCK=, **meta)`` over ``out`` after check_and_grid; a
-    missing ``status`` is a zero word.  Returns ``out``."""
-    block, grid = check_and_grid(staged, fmt, out)
-    if 0 in grid:
+    n, cols = out.shape
+    block, row_bytes = row_layout(fmt, out.dtype, cols)
+    if staged is None:
+        if tiers is None:
+            raise ValueError("without tiers the rows must be staged")
+        staged = out.view(torch.uint8)  # never read (every row is resident), but of the staged type
+    elif (staged.dtype != torch.uint8 or not staged.is_contiguous()
+          or staged.shape != (n, row_bytes)):
+        raise ValueError(f"staged {tuple(staged.shape)} {staged.dtype} does not hold {fmt.name} rows "
+                         f"of out {tuple(out.shape)} contiguously")
+    if n == 0:
         return out
-    if status is None:
-        status = torch.zeros(1, dtype=torch.int32, device=staged.device)
-    kernel[grid](staged, status, out, out.shape[1], staged.shape[1], *args, FMT=fmt.name,
-                 BLOCK=block, **meta)
+    # Rows on axis 0 (up to 2^31 - 1), column blocks on axis 1 (<= 65535).
+    grid = (n, triton.cdiv(cols, block))
+    # A status word that is not read (HAS_STATUS false) may be any tensor's.
+    source = without_tiers(out) if tiers is None else tiers.kernel_args
+    kernel[grid](staged, out if status is None else status, out, cols, row_bytes, *source, *args,
+                 FMT=fmt.name, BLOCK=block, TIERS=tiers is not None, HAS_STATUS=status is not None,
+                 SCAN_IDS=0 if tiers is None else tiers.scan_ids, **meta)
     return out
 
 
-def decode_rows_triton(staged: torch.Tensor, fmt: RowFormat, scale: float, out: torch.Tensor,
-                       status: torch.Tensor | None = None) -> torch.Tensor:
+def decode_rows_triton(staged: torch.Tensor | None, fmt: RowFormat, scale: float,
+                       out: torch.Tensor, status: torch.Tensor | None = None,
+                       tiers: TierRead | None = None) -> torch.Tensor:
     """Decode staged row ``i`` (uint8 ``[n, row_bytes]``, contiguous) into
     ``out[i]`` (``[n, cols]`` float32/float16/bfloat16, contiguous); returns ``out``.
-    ``status``: an int32 word; when it is nonzero at run time every value is NaN."""
+    ``status``: an int32 word; when it is nonzero at run time every value is NaN.
+    ``tiers``: read each row where it lies instead (``launch_decoder``)."""
     if fmt.name not in FORMAT_NAMES:
         raise ValueError(f"no Triton decoder for row format {fmt.name!r}")
-    return launch_decoder(decode_rows_kernel, staged, fmt, out, status, float(scale))
+    return launch_decoder(decode_rows_kernel, staged, fmt, out, status, tiers, float(scale))

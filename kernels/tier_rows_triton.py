@@ -1,13 +1,22 @@
-"""Assembles the raw rows of a CUDA gather from the table's tiers, in one
-Triton kernel: each row from device memory (the device tier), from pinned
-host memory over UVA (the host tier) or from the staged disk rows.  The
-decoder then reads the assembled rows as if they had all come from disk.
+"""Where each row of a CUDA gather lies: device memory (the table's device
+tier), pinned host memory read over UVA (the host tier) or the staged disk
+rows.  The decoders (kernels/decode_triton.py, kernels/decode_gguf_triton.py)
+call ``call_row`` first and read each row straight from its source, so that
+a call with tiers is one kernel, with no assembled copy of its rows.
 
-It also counts the rows each tier served, and checks the ids against the
-table: with every row resident no host gather runs to do it.  A bad id, or a
-failed host gather (``status_in``), sets ``status_out``, and the decoder
-then writes NaN for the whole call; a bad id also sets ``report``, a pinned
-word the host reads (and clears) at its next call.
+``call_row`` also counts the rows each tier served, and says whether the
+call failed, in which case the decoder writes NaN for the whole call.  A call
+fails when an id is out of range or its host gather failed.  With a host
+gather, the gather checks every id that is not resident (bad ids never are)
+and sets its status word.  With every row resident no host gather runs:
+
+* a call of up to SCAN_MAX_IDS ids has every program check all its ids, which
+  costs little at that size and needs no other kernel;
+* a larger call first runs ``check_ids_kernel``, which sets a fresh status
+  word that the decoder then reads.
+
+Either way a bad id also sets ``report``, a pinned word the host reads (and
+clears) at its next call.
 
 Only imported where triton is available.
 """
@@ -18,86 +27,111 @@ import torch
 import triton
 import triton.language as tl
 
-ROWS_PER_PROGRAM = 16
-MAX_BYTES_PER_PROGRAM = 1024
+# Calls with every row resident and at most this many ids are checked by every
+# program of the decoder (a thousand int64 loads, from L2, for each row);
+# larger ones by check_ids_kernel first.
+SCAN_MAX_IDS = 1024
+CHECK_BLOCK = 1024
 
 
 @triton.jit
-def assemble_rows_kernel(ids_ptr, n, out_ptr, row_bytes, device_ptr, host_ptr, staged_ptr,
-                         first_row, device_rows, tier_rows, num_rows, hits_ptr,
-                         status_in_ptr, status_out_ptr, report_ptr, HAS_STAGED: tl.constexpr,
-                         REPORT: tl.constexpr, ROWS: tl.constexpr, BYTES: tl.constexpr):
-    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
-    in_call = rows < n
-    ids = tl.load(ids_ptr + rows, mask=in_call, other=0).to(tl.int64)
-    bad = in_call & ((ids < 0) | (ids >= num_rows))
-    good = in_call & ~bad
-    tier_row = ids - first_row  # the id's row in the tiers, when it has one
-    on_device = good & (tier_row >= 0) & (tier_row < device_rows)
-    on_host = good & (tier_row >= device_rows) & (tier_row < tier_rows)
-    on_disk = good & ((tier_row < 0) | (tier_row >= tier_rows))
+def either(a, b):
+    """The combine function of an any() over bools.  tl.reduce with a function
+    of ours, not tl.max: the interpreter that tests these kernels without a GPU
+    cannot run triton.language.standard's functions."""
+    return a | b
 
-    cols = tl.program_id(1) * BYTES + tl.arange(0, BYTES)
-    in_row = (cols < row_bytes)[None, :]
-    cols = cols[None, :]
-    from_device = tl.load(device_ptr + tier_row[:, None] * row_bytes + cols,
-                          mask=on_device[:, None] & in_row, other=0)
-    from_host = tl.load(host_ptr + (tier_row - device_rows)[:, None] * row_bytes + cols,
-                        mask=on_host[:, None] & in_row, other=0)
-    value = tl.where(on_device[:, None], from_device, from_host)
-    if HAS_STAGED:
-        from_disk = tl.load(staged_ptr + rows[:, None] * row_bytes + cols,
-                            mask=on_disk[:, None] & in_row, other=0)
-        value = tl.where(on_disk[:, None], from_disk, value)
-    tl.store(out_ptr + rows[:, None] * row_bytes + cols, value, mask=in_call[:, None] & in_row)
 
-    if tl.program_id(1) == 0:
-        # Per-row atomics, not tl.sum: the interpreter that tests this kernel
-        # without a GPU cannot run triton.language.standard's functions.
-        first = tl.full([ROWS], 0, tl.int32)
-        tl.atomic_add(hits_ptr + first, 1, mask=on_device)
-        tl.atomic_add(hits_ptr + 1 + first, 1, mask=on_host)
-        tl.atomic_max(status_out_ptr + first, 1, mask=bad)
-        if REPORT:
+@triton.jit
+def call_row(rows_ptr, status_ptr, row_bytes, ids_ptr, device_ptr, host_ptr, first_row,
+             device_rows, tier_rows, num_rows, hits_ptr, report_ptr, TIERS: tl.constexpr,
+             HAS_STATUS: tl.constexpr, SCAN_IDS: tl.constexpr):
+    """For the decoder program of (row, column block): the address of its row's
+    first byte, and whether the call failed (then nothing is to be read).
+
+    Without ``TIERS`` row i is at ``rows_ptr + i * row_bytes``.  With it, row i
+    is row ``ids[i]`` of the table: in the device tier (``device_ptr``, the
+    rows from ``first_row`` on), the host tier (``host_ptr``, the next ones,
+    up to ``tier_rows``) or else at position i of the staged rows; the rows
+    served are added to ``hits`` (int64 [device, host]).  ``HAS_STATUS``: the
+    int32 at ``status_ptr`` is nonzero when the call failed.  ``SCAN_IDS``
+    (a power of two at least the number of ids, or 0): check every id against
+    ``[0, num_rows)`` and set ``report`` on a bad one."""
+    row = tl.program_id(0).to(tl.int64)
+    if TIERS:
+        # The tiers lie within the table, so a bad id is never found there.
+        tier_row = tl.load(ids_ptr + row).to(tl.int64) - first_row
+        on_device = (tier_row >= 0) & (tier_row < device_rows)
+        on_host = (tier_row >= device_rows) & (tier_row < tier_rows)
+        src = tl.where(on_device, device_ptr + tier_row * row_bytes,
+                       tl.where(on_host, host_ptr + (tier_row - device_rows) * row_bytes,
+                                rows_ptr + row * row_bytes))
+        if tl.program_id(1) == 0:
+            tl.atomic_add(hits_ptr + on_host.to(tl.int32), 1, mask=on_device | on_host)
+    else:
+        src = rows_ptr + row * row_bytes
+    if HAS_STATUS:
+        failed = tl.load(status_ptr) != 0
+    else:
+        failed = False
+    if SCAN_IDS:
+        offs = tl.arange(0, SCAN_IDS)
+        ids = tl.load(ids_ptr + offs, mask=offs < tl.num_programs(0), other=0).to(tl.int64)
+        any_bad = tl.reduce((ids < 0) | (ids >= num_rows), 0, either)
+        failed = failed | any_bad
+        if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
             # Set, never cleared here: a good call enqueued before the host
             # read the word must not erase the report of a bad one.
-            tl.store(report_ptr + first, 1, mask=bad)
-        if HAS_STAGED:
-            tl.atomic_max(status_out_ptr, tl.load(status_in_ptr))
+            tl.store(report_ptr, 1, mask=any_bad)
+    return src, failed
 
 
-def assemble_rows_triton(ids: torch.Tensor, out: torch.Tensor, device_table: torch.Tensor | None,
-                         host_table: torch.Tensor | None, staged: torch.Tensor | None,
-                         first_row: int, num_rows: int, hits: torch.Tensor,
-                         status_in: torch.Tensor | None, status_out: torch.Tensor,
-                         report: torch.Tensor | None = None) -> torch.Tensor:
-    """Row ``i`` of ``out`` (uint8 ``[n, row_bytes]`` on the GPU) becomes row
-    ``ids[i]`` of the tiers: ``device_table`` holds the rows from
-    ``first_row`` on, ``host_table`` (pinned) the ones after those,
-    ``staged`` (pinned or on the GPU) holds, at position ``i``, the disk
-    rows.  ``staged`` and ``status_in`` go together: without them every id
-    must be resident.  Adds the rows served to ``hits`` (int64 ``[device,
-    host]``); sets ``status_out`` (int32) to 1 on a bad id or when
-    ``status_in`` is nonzero, and ``report`` (int32, when given) to 1 on a
-    bad id."""
-    n, row_bytes = out.shape
-    if n == 0:
-        return out
-    if (staged is None) != (status_in is None):
-        raise ValueError("staged rows and their status come together")
-    device_rows = 0 if device_table is None else device_table.shape[0]
-    host_rows = 0 if host_table is None else host_table.shape[0]
-    # Absent tiers are never read (their masks are all false): any pointer will do.
-    placeholder = out
-    block = min(MAX_BYTES_PER_PROGRAM, triton.next_power_of_2(row_bytes))
-    grid = (triton.cdiv(n, ROWS_PER_PROGRAM), triton.cdiv(row_bytes, block))
-    assemble_rows_kernel[grid](
-        ids, n, out, row_bytes,
-        placeholder if device_table is None else device_table,
-        placeholder if host_table is None else host_table,
-        placeholder if staged is None else staged,
-        first_row, device_rows, device_rows + host_rows, num_rows, hits,
-        status_out if status_in is None else status_in, status_out,
-        status_out if report is None else report,
-        HAS_STAGED=staged is not None, REPORT=report is not None, ROWS=ROWS_PER_PROGRAM, BYTES=block)
-    return out
+@triton.jit
+def check_ids_kernel(ids_ptr, n, num_rows, status_ptr, report_ptr, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    ids = tl.load(ids_ptr + offs, mask=offs < n, other=0).to(tl.int64)
+    bad = (offs < n) & ((ids < 0) | (ids >= num_rows))
+    # Per-id atomics and stores, not a reduction: see ``either``.
+    first = tl.full([BLOCK], 0, tl.int32)
+    tl.atomic_max(status_ptr + first, 1, mask=bad)
+    tl.store(report_ptr + first, 1, mask=bad)  # set, never cleared here (as in call_row)
+
+
+class TierRead:
+    """How the decoders read one call's rows from the tiers (``call_row``):
+    ``kernel_args``, their arguments ``ids_ptr`` to ``report_ptr``;
+    ``scan_ids``, their ``SCAN_IDS``.
+
+    ``ids``: the call's ids (1-D, on the GPU); ``device_table`` /
+    ``host_table``: the tiers (uint8 ``[rows, row_bytes]``, None for an empty
+    one), from row ``first_row`` of the table on; ``hits``: the counters the
+    call adds to; ``report``: the pinned word a bad id sets, given when no
+    host gather checks the ids (every row resident).  Such a call of more
+    than SCAN_MAX_IDS ids must have its ids checked by ``check_ids`` first."""
+
+    __slots__ = ("kernel_args", "scan_ids")
+
+    def __init__(self, ids: torch.Tensor, device_table: torch.Tensor | None,
+                 host_table: torch.Tensor | None, first_row: int, num_rows: int,
+                 hits: torch.Tensor, report: torch.Tensor | None):
+        n = ids.numel()
+        device_rows = 0 if device_table is None else device_table.shape[0]
+        host_rows = 0 if host_table is None else host_table.shape[0]
+        scans = report is not None and n <= SCAN_MAX_IDS
+        self.scan_ids = max(16, triton.next_power_of_2(n)) if scans else 0
+        # An absent tier or report is never read: any pointer of its type will
+        # do (call_row picks between the tiers' pointers, which must agree).
+        no_tier = ids.view(torch.uint8) if device_table is None or host_table is None else None
+        self.kernel_args = (ids, no_tier if device_table is None else device_table,
+                            no_tier if host_table is None else host_table, first_row, device_rows,
+                            device_rows + host_rows, num_rows, hits, report if scans else hits)
+
+
+def check_ids(ids: torch.Tensor, num_rows: int, report: torch.Tensor) -> torch.Tensor:
+    """A new int32 status word that becomes 1 when an id of ``ids`` (1-D, on
+    the GPU) is outside ``[0, num_rows)``; such an id also sets ``report``."""
+    status = torch.zeros(1, dtype=torch.int32, device=ids.device)
+    n = ids.numel()
+    check_ids_kernel[(triton.cdiv(n, CHECK_BLOCK),)](ids, n, num_rows, status, report,
+                                                     BLOCK=CHECK_BLOCK)
+    return status

@@ -11,8 +11,10 @@ thread, so that the whole operator can be captured in a CUDA graph:
    them over UVA (small requests) or from a device copy (large ones).
 
 When the table has device and host tiers (``Table.place``), the host gather
-skips their ids, and a first kernel assembles each row from its tier before
-the decode; with every row resident, steps 1 and 2 do not run.
+skips their ids, and the same kernel reads each row from its tier or from
+the staged rows (kernels/tier_rows_triton.py); with every row resident, steps
+1 and 2 do not run and the kernel checks the ids itself (a call of more than
+``tier_rows_triton.SCAN_MAX_IDS`` ids has a small kernel check them first).
 """
 
 from __future__ import annotations
@@ -58,19 +60,20 @@ def _gather(table: Table, handle: int, tiers: Tiers | None, ids: torch.Tensor,
         resident_range = tiers.resident_range
     on_disk = resident_range != (0, table.num_rows)
 
-    rows = status = None
+    rows = status = tier_read = None
     if on_disk:
         rows, status = staging.gather(handle, ids, resident_range, capturing)
-        if rows.numel() > UVA_MAX_BYTES:
+        if n * table.row_bytes > UVA_MAX_BYTES:
             rows = rows.to(ids.device, non_blocking=True)
     with torch.cuda.device(ids.device):
         if tiers is not None:
             # No host gather checks the ids when every row is resident: the
-            # kernel does, and the next call learns of a bad one.
-            rows, status = tiers.assemble(ids, table.num_rows, rows, status,
-                                          None if on_disk else staging.bad_id_word(), capturing)
+            # decoder does (or a kernel before it), and the next call learns
+            # of a bad one.
+            tier_read, status = tiers.read(ids, table.num_rows, status,
+                                           None if on_disk else staging.bad_id_word, capturing)
         decode = decode_blocks_triton if table.row_format.is_block else decode_rows_triton
-        decode(rows, table.row_format, scale, out.view(n, table.cols), status=status)
+        decode(rows, table.row_format, scale, out.view(n, table.cols), status=status, tiers=tier_read)
     return out
 
 

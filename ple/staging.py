@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import mmap
 
+import numpy as np
 import torch
 
 from .kernels.native import native
@@ -55,12 +56,21 @@ class StreamStaging:
         self.ids: PinnedBuffer | None = None
         self.rows: PinnedBuffer | None = None
         self.status = PinnedBuffer(4)
+        self.status_word = self.status.bytes[:4].view(torch.int32)
         # Set by a call whose rows were all resident (no host gather checked
         # its ids) when an id was out of range; a graph's buffers share their
         # stream's, so that the next eager call there raises.
         self._owns_flag = bad_id_flag is None
         self.bad_id_flag = PinnedBuffer(4) if bad_id_flag is None else bad_id_flag
+        # The int32 that a kernel sets, and the host's view of it: read every
+        # call, so a NumPy view (a tensor's .item() costs microseconds).
+        self.bad_id_word = self.bad_id_flag.bytes[:4].view(torch.int32)
+        self._bad_id_seen = self.bad_id_flag.bytes[:4].numpy().view(np.int32)
         self._retired: list[tuple[torch.cuda.Event | None, PinnedBuffer]] = []
+        # The views of the buffers for the last request size and their
+        # addresses, (n, ids, rows, ids' address, rows' address): None until
+        # a request, and after the buffers change.
+        self._views: tuple[int, torch.Tensor, torch.Tensor, int, int] | None = None
 
     def reserve(self, n: int, capturing: bool) -> None:
         """Makes room for n rows (and marks the buffers captured when they
@@ -76,6 +86,7 @@ class StreamStaging:
             self.ids = PinnedBuffer(8 * n)
             self.rows = PinnedBuffer(self.row_bytes * n)
             self.capacity = n
+            self._views = None
         if capturing:  # only ids and rows are ever replaced (and retired)
             self.ids.captured = self.rows.captured = True
 
@@ -89,25 +100,22 @@ class StreamStaging:
         it fails; both are valid in stream order only."""
         n = ids.numel()
         self.reserve(n, capturing)
-        staged_ids = self.ids.bytes[: 8 * n].view(torch.int64)
+        if self._views is None or self._views[0] != n:
+            staged_ids = self.ids.bytes[: 8 * n].view(torch.int64)
+            rows = self.rows.bytes[: n * self.row_bytes].view(n, self.row_bytes)
+            self._views = (n, staged_ids, rows, staged_ids.data_ptr(), rows.data_ptr())
+        _, staged_ids, rows, ids_address, rows_address = self._views
         staged_ids.copy_(ids.reshape(-1).to(torch.int64), non_blocking=True)
-        native.launch_host_gather(self.stream.cuda_stream, native_handle, staged_ids.data_ptr(), n,
-                                  *resident_range, self.rows.bytes.data_ptr(),
-                                  self.status.bytes.data_ptr(), capturing)
-        rows = self.rows.bytes[: n * self.row_bytes].view(n, self.row_bytes)
-        return rows, self.status.bytes[:4].view(torch.int32)
-
-    def bad_id_word(self) -> torch.Tensor:
-        """The int32 that a kernel sets when it finds an id out of range with
-        no host gather to check it (every row resident)."""
-        return self.bad_id_flag.bytes[:4].view(torch.int32)
+        native.launch_host_gather(self.stream.cuda_stream, native_handle, ids_address, n,
+                                  *resident_range, rows_address, self.status_word.data_ptr(),
+                                  capturing)
+        return rows, self.status_word
 
     def take_bad_id_flag(self) -> bool:
         """Whether an earlier call found a bad id on the device; clears it."""
-        word = self.bad_id_word()
-        if word.item() == 0:
+        if self._bad_id_seen[0] == 0:
             return False
-        word.zero_()
+        self._bad_id_seen[0] = 0
         return True
 
     def _free_retired(self, capturing: bool) -> None:
@@ -133,5 +141,6 @@ class StreamStaging:
             if buffer is not None:
                 buffer.free()
         self.ids = self.rows = self.status = self.bad_id_flag = None
+        self.status_word = self.bad_id_word = self._bad_id_seen = self._views = None
         self._retired = []
         self.capacity = 0

@@ -132,23 +132,22 @@ class Tiers:
             raise ValueError(f"ple.disk_gather: table {table_name!r} keeps its device tier on "
                              f"{self.device}, and the ids are on {device}")
 
-    def assemble(self, ids: torch.Tensor, num_rows: int, staged: torch.Tensor | None,
-                 staged_status: torch.Tensor | None, bad_id_word: torch.Tensor | None,
-                 capturing: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        """Each row of the CUDA ids ``ids`` from its tier, or from ``staged``
-        (the host gather's rows of the other ids, with its status word; None
-        when every row is resident).  Returns the rows ``[n, row_bytes]`` and
-        a status word that is set when the host gather failed.  Without a
-        host gather, an id outside ``[0, num_rows)`` sets ``bad_id_word``."""
-        from .kernels.tier_rows_triton import assemble_rows_triton  # needs triton: CUDA only
+    def read(self, ids: torch.Tensor, num_rows: int, status: torch.Tensor | None,
+             report: torch.Tensor | None, capturing: bool):
+        """How a decoder reads the rows of the CUDA ids ``ids`` from the tiers
+        (a ``tier_rows_triton.TierRead``), and the status word it reads.
+        ``status``: the host gather's, which staged the other rows; None when
+        every row is resident, and then ``report`` is given: an id outside
+        ``[0, num_rows)`` sets it, and the whole call is NaN."""
+        from .kernels.tier_rows_triton import TierRead, check_ids  # needs triton: CUDA only
 
         self.captured |= capturing
-        rows = torch.empty((ids.numel(), self.row_bytes), dtype=torch.uint8, device=ids.device)
-        status = torch.zeros(1, dtype=torch.int32, device=ids.device)
-        assemble_rows_triton(ids.reshape(-1), rows, self.device_table, self.host_table, staged,
-                             self.first_row, num_rows, self.hits_on(ids.device), staged_status,
-                             status, bad_id_word)
-        return rows, status
+        ids = ids.reshape(-1)
+        tier_read = TierRead(ids, self.device_table, self.host_table, self.first_row, num_rows,
+                             self.hits_on(ids.device), report)
+        if report is not None and not tier_read.scan_ids:
+            status = check_ids(ids, num_rows, report)  # too many ids for every program to check
+        return tier_read, status
 
     def hits_on(self, device: torch.device) -> torch.Tensor:
         """int64 [device, host] counters that CUDA gathers on ``device`` add to."""

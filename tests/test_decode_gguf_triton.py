@@ -19,9 +19,10 @@ in float32 (see the kernel's docstring), so any order gives the same bits.
 Nothing here runs on a GPU.
 
 TRITON_INTERPRET is read when ``@triton.jit`` decorates a function, so the
-interpreted copies of the kernel module and of the module it imports its bf16
-rounding from (kernels/decode_triton.py) are loaded privately with the variable
-set for the load only (helpers.load_interpreted).
+interpreted copies of the kernel module and of the modules it imports kernels
+from (kernels/decode_triton.py's bf16 rounding, kernels/tier_rows_triton.py's
+row sources) are loaded privately with the variable set for the load only
+(helpers.load_interpreted).
 """
 
 from __future__ import annotations
@@ -57,7 +58,8 @@ def interp():
     """The kernel module with its kernels interpreted (helpers.load_interpreted);
     its ``from ple.kernels.decode_triton import ...`` gets interpreted functions too."""
     mod = load_interpreted(KERNELS / "decode_gguf_triton.py",
-                           {"ple.kernels.decode_triton": KERNELS / "decode_triton.py"})
+                           {"ple.kernels.tier_rows_triton": KERNELS / "tier_rows_triton.py",
+                            "ple.kernels.decode_triton": KERNELS / "decode_triton.py"})
     assert type(mod.decode_blocks_kernel).__name__ == "InterpretedFunction"
     assert type(mod.f32_to_bf16_rne).__name__ == "InterpretedFunction"
     return mod
@@ -199,14 +201,19 @@ from ple.formats import BLOCK_FORMATS
 from ple.kernels.decode_gguf_triton import decode_blocks_kernel, LAUNCH_OPTIONS
 from ple.kernels.decode_triton import MAX_BLOCK
 assert type(decode_blocks_kernel).__name__ == "JITFunction"
+# Staged rows and a status word, no tiers (their variants: test_tier_rows_triton.py).
+TIER_SIGNATURE = {"ids_ptr": "*u8", "device_ptr": "*u8", "host_ptr": "*u8", "first_row": "i32",
+                  "device_rows": "i32", "tier_rows": "i32", "num_rows": "i32", "hits_ptr": "*u8",
+                  "report_ptr": "*u8"}
+TIER_CONSTEXPRS = {"TIERS": False, "HAS_STATUS": True, "SCAN_IDS": 0}
 
 def build(cc, name, out, options):
     fmt = BLOCK_FORMATS[name]
-    signature = {"staged_ptr": "*u8", "status_ptr": "*i32", "out_ptr": "*" + out, "cols": "i32",
-                 "row_bytes": "i32", "FMT": "constexpr", "QK": "constexpr", "BB": "constexpr",
-                 "BLOCK": "constexpr"}
+    signature = {"rows_ptr": "*u8", "status_ptr": "*i32", "out_ptr": "*" + out, "cols": "i32",
+                 "row_bytes": "i32", **TIER_SIGNATURE, "FMT": "constexpr", "BLOCK": "constexpr",
+                 **{name: "constexpr" for name in TIER_CONSTEXPRS}, "QK": "constexpr", "BB": "constexpr"}
     src = triton.compiler.ASTSource(fn=decode_blocks_kernel, signature=signature, constexprs={
-        "FMT": name, "QK": fmt.block_size, "BB": fmt.block_bytes, "BLOCK": MAX_BLOCK})
+        "FMT": name, "BLOCK": MAX_BLOCK, **TIER_CONSTEXPRS, "QK": fmt.block_size, "BB": fmt.block_bytes})
     try:
         k = triton.compile(src, target=GPUTarget("cuda", cc, 32), options=options)
         return {"ptx": k.asm["ptx"], "cubin_head": k.asm["cubin"][:4].hex(), "cubin_len": len(k.asm["cubin"])}

@@ -30,13 +30,15 @@ from helpers import (COMPILE_CCS, OUT_SIGNATURE, assert_runs_on_old_gpus, assert
                      compile_for_targets, dtype_id, load_interpreted)
 
 KERNEL_FILE = Path(ple.kernels.__file__).parent / "decode_triton.py"
+TIER_ROWS_FILE = Path(ple.kernels.__file__).parent / "tier_rows_triton.py"
 FORMAT_NAMES = ("f32", "f16", "bf16", "fp8_e4m3fn", "u8", "i8")
 COLS = (1, 17, 160, 1000)
 @pytest.fixture(scope="module")
 def interp():
     """The kernel module with its kernels interpreted (helpers.load_interpreted)."""
-    mod = load_interpreted(KERNEL_FILE)
+    mod = load_interpreted(KERNEL_FILE, {"ple.kernels.tier_rows_triton": TIER_ROWS_FILE})
     assert type(mod.decode_rows_kernel).__name__ == "InterpretedFunction"
+    assert type(mod.call_row).__name__ == "InterpretedFunction"
     return mod
 
 
@@ -157,15 +159,22 @@ import json, sys, triton
 from triton.backends.compiler import GPUTarget
 from ple.kernels.decode_triton import decode_rows_kernel, MAX_BLOCK
 assert type(decode_rows_kernel).__name__ == "JITFunction"
+# Staged rows and a status word, no tiers (their variants: test_tier_rows_triton.py).
+TIER_SIGNATURE = {"ids_ptr": "*u8", "device_ptr": "*u8", "host_ptr": "*u8", "first_row": "i32",
+                  "device_rows": "i32", "tier_rows": "i32", "num_rows": "i32", "hits_ptr": "*u8",
+                  "report_ptr": "*u8"}
+TIER_CONSTEXPRS = {"TIERS": False, "HAS_STATUS": True, "SCAN_IDS": 0}
+assert type(decode_rows_kernel).__name__ == "JITFunction"
 results = {}
 for cc in json.loads(sys.argv[1]):
     for fmt in json.loads(sys.argv[2]):
         for out in json.loads(sys.argv[3]):
             key = f"{cc}-{fmt}-{out}"
-            signature = {"staged_ptr": "*u8", "status_ptr": "*i32", "out_ptr": "*" + out, "cols": "i32", "row_bytes": "i32",
-                         "scale": "fp32", "FMT": "constexpr", "BLOCK": "constexpr"}
+            signature = {"rows_ptr": "*u8", "status_ptr": "*i32", "out_ptr": "*" + out, "cols": "i32",
+                         "row_bytes": "i32", **TIER_SIGNATURE, "scale": "fp32", "FMT": "constexpr",
+                         "BLOCK": "constexpr", **{name: "constexpr" for name in TIER_CONSTEXPRS}}
             src = triton.compiler.ASTSource(fn=decode_rows_kernel, signature=signature,
-                                            constexprs={"FMT": fmt, "BLOCK": MAX_BLOCK})
+                                            constexprs={"FMT": fmt, "BLOCK": MAX_BLOCK, **TIER_CONSTEXPRS})
             try:
                 k = triton.compile(src, target=GPUTarget("cuda", cc, 32))
                 results[key] = {"ptx": k.asm["ptx"], "cubin_head": k.asm["cubin"][:4].hex(),

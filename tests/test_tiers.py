@@ -3,9 +3,9 @@ and disk, and the cache on or off, give the bytes of a disk-only gather, and
 the counters say which tier served each row.
 
 The CPU tests run everywhere (the host tier works without CUDA); the device
-tier, the CUDA operator with tiers, graphs and compile need a GPU.  The tier
-assembly kernel alone is tested under Triton's interpreter in
-test_tier_rows_triton.py.
+tier, the CUDA operator with tiers, graphs and compile need a GPU.  The
+decoders reading rows from the tiers are tested under Triton's interpreter
+in test_tier_rows_triton.py.
 """
 
 from __future__ import annotations
