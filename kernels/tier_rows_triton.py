@@ -120,8 +120,10 @@ class TierRead:
         scans = report is not None and n <= SCAN_MAX_IDS
         self.scan_ids = max(16, triton.next_power_of_2(n)) if scans else 0
         # An absent tier or report is never read: any pointer of its type will
-        # do (call_row picks between the tiers' pointers, which must agree).
-        no_tier = ids.view(torch.uint8) if device_table is None or host_table is None else None
+        # do (call_row picks between the tiers' pointers, whose types must agree).
+        no_tier = device_table if host_table is None else host_table
+        if no_tier is None:
+            no_tier = ids.view(torch.uint8)
         self.kernel_args = (ids, no_tier if device_table is None else device_table,
                             no_tier if host_table is None else host_table, first_row, device_rows,
                             device_rows + host_rows, num_rows, hits, report if scans else hits)

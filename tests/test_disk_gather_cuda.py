@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import save_file
 
 import ple
-from helpers import write_fp8_table
+from helpers import write_fp8_table, write_gguf
 from ple.formats import FORMATS
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -65,6 +65,39 @@ def test_equal_to_the_cpu_operator(table, dtype, id_dtype):
     ids[0, :3] = torch.tensor([0, NUM_ROWS - 1, 97])
     gpu = torch.ops.ple.disk_gather(ids.cuda(), table.handle, dtype)
     assert_same(gpu, torch.ops.ple.disk_gather(ids, table.handle, dtype))
+
+
+# (device_rows, host_rows, first_row): every source; every row resident.
+TIER_SPLITS = [(100, 80, 30), (NUM_ROWS, 0, 0), (150, NUM_ROWS - 150, 0)]
+
+
+@pytest.mark.parametrize("device_rows, host_rows, first_row", TIER_SPLITS)
+@pytest.mark.parametrize("dtype", (None, torch.bfloat16), ids=str)
+def test_equal_to_the_cpu_operator_with_tiers(table, dtype, device_rows, host_rows, first_row):
+    """The decoder of every row format reading each row from its tier."""
+    ids = random_ids(NUM_ROWS, (6, 50), seed=4)
+    expected = torch.ops.ple.disk_gather(ids, table.handle, dtype)
+    table.place(device_rows=device_rows, host_rows=host_rows, device="cuda", first_row=first_row)
+    try:
+        assert_same(torch.ops.ple.disk_gather(ids.cuda(), table.handle, dtype), expected)
+    finally:
+        table.place()
+
+
+@pytest.mark.parametrize("name", ["Q8_0", "Q4_0"])  # the block formats gguf quantizes
+@pytest.mark.parametrize("device_rows, host_rows, first_row", [(0, 0, 0), *TIER_SPLITS])
+def test_gguf_blocks_with_tiers_equal_the_cpu_operator(tmp_path, name, device_rows, host_rows, first_row):
+    """The block decoder reading each row from its tier (and without tiers)."""
+    gguf = pytest.importorskip("gguf")
+    qtype = gguf.GGMLQuantizationType[name]
+    weights = np.random.default_rng(9).standard_normal((NUM_ROWS, 512)).astype(np.float32)
+    path = tmp_path / "t.gguf"
+    write_gguf(path, {name: (gguf.quants.quantize(weights, qtype), qtype)})
+    ids = random_ids(NUM_ROWS, (40,), seed=5)
+    with ple.Table.from_gguf(path, name) as table:
+        expected = torch.ops.ple.disk_gather(ids, table.handle, torch.float16)
+        table.place(device_rows=device_rows, host_rows=host_rows, device="cuda", first_row=first_row)
+        assert_same(torch.ops.ple.disk_gather(ids.cuda(), table.handle, torch.float16), expected)
 
 
 def test_large_request_through_the_device_copy(fp8_table):

@@ -304,11 +304,15 @@ def test_cuda_with_everything_resident_touches_no_staging(table):
 
 
 @needs_gpu
-def test_cuda_bad_id_with_everything_resident_gives_nan_then_raises(table):
+@pytest.mark.parametrize("n", [2, 1024, 5000])  # ids checked by every program; by a kernel first
+def test_cuda_bad_id_with_everything_resident_gives_nan_then_raises(table, n):
     table.place(device_rows=ROWS)
-    values = torch.ops.ple.disk_gather(torch.tensor([1, ROWS], device="cuda"), table.handle,
-                                       torch.float32)
+    ids = torch.from_numpy(np.random.default_rng(n).integers(0, ROWS, n)).cuda()
+    ids[n // 2] = ROWS
+    table.reset_stats()
+    values = torch.ops.ple.disk_gather(ids, table.handle, torch.float32)
     assert bool(values.isnan().all())
+    assert table.stats()["device_tier_hits"] == n - 1  # the good rows were read
     torch.cuda.synchronize()  # the flag is written by the device; the next call reads it
     with pytest.raises(RuntimeError, match=rf"an id was out of range \[0, {ROWS}\)"):
         torch.ops.ple.disk_gather(torch.tensor([1], device="cuda"), table.handle)
