@@ -80,6 +80,8 @@ def test_equal_to_the_cpu_operator_with_tiers(table, dtype, device_rows, host_ro
     table.place(device_rows=device_rows, host_rows=host_rows, device="cuda", first_row=first_row)
     try:
         assert_same(torch.ops.ple.disk_gather(ids.cuda(), table.handle, dtype), expected)
+        strided = ids.reshape(-1).cuda()[::3]  # 1-D, not contiguous
+        assert_same(torch.ops.ple.disk_gather(strided, table.handle, dtype), expected.reshape(300, -1)[::3])
     finally:
         table.place()
 

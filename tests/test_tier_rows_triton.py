@@ -210,7 +210,8 @@ def test_check_ids_sets_a_new_status_and_the_report(interpreted):
 def test_tiers_read_checks_the_ids_when_no_host_gather_does(interpreted, monkeypatch, n):
     """Tiers.read (ple/tiers.py), on a CPU host tier, with the interpreted
     kernels: a call too large for every program to check its ids gets a
-    status word from check_ids; a call with a host gather keeps its own."""
+    status word from check_ids; strided ids are read in their order; a call
+    with a host gather keeps its own status word."""
     monkeypatch.setitem(sys.modules, "ple.kernels.tier_rows_triton", interpreted.tiers)
     table = random_table(8, 7)
 
@@ -227,6 +228,11 @@ def test_tiers_read_checks_the_ids_when_no_host_gather_does(interpreted, monkeyp
     interpreted.rows.decode_rows_triton(None, FORMATS["u8"], 1.0, out, status=status, tiers=tier_read)
     assert out.isnan().all() and report.item() == 1
     assert tiers.hits() == (0, n - 1)
+
+    strided = torch.from_numpy(np.random.default_rng(n).integers(0, NUM_ROWS, 2 * n))[::2]
+    tier_read, status = tiers.read(strided, NUM_ROWS, None, report, capturing=False)
+    interpreted.rows.decode_rows_triton(None, FORMATS["u8"], 1.0, out, status=status, tiers=tier_read)
+    assert torch.equal(out, table[strided].to(torch.float32))
 
     host_gather_status = torch.zeros(1, dtype=torch.int32)
     assert tiers.read(ids, NUM_ROWS, host_gather_status, None, capturing=True)[1] is host_gather_status
