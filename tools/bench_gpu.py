@@ -12,8 +12,9 @@ host-to-device copy, kernel), and a plain PyTorch baseline (NumPy fancy
 indexing of a memmap, torch.from_numpy, .to("cuda"), decode in torch).
 Cold calls drop the table's pages first; the baseline's memmap is opened
 for its own calls only, so that no other mapping keeps the pages.  Then:
-a graph of one tiny kernel (the floor of a replay), the doorbell graph
-replayed after pauses, the operator with the table in tiers, and the copy
+a graph of one tiny kernel (the floor of a replay), the doorbell graph and
+the tiny kernel's graph replayed after pauses, the operator with the table
+in tiers, where the host time of one small eager call goes, and the copy
 bandwidths.
 """
 
@@ -191,9 +192,59 @@ def tier_rows(table, calls: int, gen: torch.Generator, device) -> list[dict]:
     return results
 
 
+def host_overhead(table, calls: int, gen: torch.Generator, device) -> dict[str, dict[str, float]]:
+    """Where the host time of one eager call of SIZES[0] rows goes (median
+    us, no device synchronize), with every row in the device tier and with
+    none (from the page cache): the whole call through torch.ops, the same
+    call without the dispatcher (ple's own Python and its launches), the
+    decoder's launch alone (its arguments made beforehand), and, from the
+    page cache, the host gather's enqueue alone (the ids' copy and the host
+    function).  The table's tiers are dropped after."""
+    import torch
+
+    from ple.kernels.decode_triton import decode_rows_triton
+    from ple.ops.disk_gather_cuda import disk_gather_cuda
+
+    n, fmt, scale = SIZES[0], table.row_format, table.scale
+    requests = [torch.randint(0, table.num_rows, (n,), generator=gen).to(device) for _ in range(calls)]
+    out = torch.empty(n, table.cols, dtype=torch.bfloat16, device=device)
+    staging = table.staging_for(torch.cuda.current_stream())
+    result = {}
+    for source, device_rows in (("device_tier", table.num_rows), ("page_cache", 0)):
+        table.place(device_rows=device_rows, device=device)
+        row = {"call_us": host_us(
+            lambda i: torch.ops.ple.disk_gather(requests[i], table.handle, torch.bfloat16), calls),
+            "ple_us": host_us(lambda i: disk_gather_cuda(table, requests[i], torch.bfloat16, scale),
+                              calls)}
+        handle, tiers = table.acquire()
+        try:
+            if tiers is not None:
+                tier_read, status = tiers.read(requests[0], table.num_rows, None,
+                                               staging.bad_id_word, False)
+                row["launch_us"] = host_us(
+                    lambda i: decode_rows_triton(None, fmt, scale, out, status, tier_read), calls)
+            else:
+                rows, status = staging.gather(handle, requests[0], (0, 0), False)
+                row["launch_us"] = host_us(lambda i: decode_rows_triton(rows, fmt, scale, out, status),
+                                           calls)
+                row["host_gather_enqueue_us"] = host_us(
+                    lambda i: staging.gather(handle, requests[i], (0, 0), False), calls)
+            torch.cuda.synchronize()
+        finally:
+            table.release(tiers)
+        result[source] = row
+    table.place()
+    tiny = torch.zeros(1, device=device)
+    result["torch_launch_us"] = host_us(lambda i: tiny.add_(1), calls)
+    torch.cuda.synchronize()
+    return result
+
+
 def pause_rows(graph, calls: int, pauses_ms=(0, 20, 500)) -> dict[str, float]:
-    """Median replay time of a doorbell graph after each pause: the doorbell
-    thread spins after a ring, then polls more slowly (doorbell_gather.cpp)."""
+    """Median replay time of a graph after each pause.  A doorbell graph's
+    doorbell thread spins after a ring, then polls more slowly
+    (doorbell_gather.cpp); a graph without one shows what a pause costs the
+    GPU and the driver alone."""
     result = {}
     for pause in pauses_ms:
         before = (lambda i, pause=pause: time.sleep(pause / 1e3)) if pause else None
@@ -327,8 +378,10 @@ def run(args: argparse.Namespace) -> tuple[int, dict | None]:
         tiny = torch.zeros(1, device=device)
         floor_graph = capture(lambda: tiny.add_(1))
         machine["tiny_graph_us"] = median_us(lambda i: floor_graph.replay(), args.calls)
+        machine["tiny_graph_pauses"] = pause_rows(floor_graph, args.calls)
         read_whole_file(path)  # the cold pass emptied the page cache
         tiers = tier_rows(table, args.calls, gen, device)
+        host = host_overhead(table, args.calls, gen, device)
 
         big = 256 << 20
         host = PinnedBuffer(big)
@@ -338,11 +391,16 @@ def run(args: argparse.Namespace) -> tuple[int, dict | None]:
         machine["d2d_gbs"] = bandwidth_gbs(dev_a, dev_b)
         host.free()
 
-    report(machine, results, tiers)
-    return 0, {"machine": machine, "cases": results, "tiers": tiers}
+    report(machine, results, tiers, host)
+    return 0, {"machine": machine, "cases": results, "tiers": tiers, "host": host}
 
 
-def report(machine: dict, results: list[dict], tiers: list[dict]) -> None:
+def pauses_text(pauses: dict[str, float]) -> str:
+    return ", ".join(f"{key.removeprefix('after_').removesuffix('_us')} {us:.1f} us"
+                     for key, us in pauses.items())
+
+
+def report(machine: dict, results: list[dict], tiers: list[dict], host: dict) -> None:
     cols = ("eager_uva_us", "eager_copy_us", "graph_doorbell_us", "graph_host_func_us",
             "host_gather_us", "native_us", "h2d_us", "kernel_us", "baseline_us")
     print(f"GatherConfig.threads={machine['threads']} (the CUDA operator's host gather runs on at "
@@ -356,14 +414,24 @@ def report(machine: dict, results: list[dict], tiers: list[dict]) -> None:
           "host_gather_us: table.gather_bytes alone, timed on the host; native_us: the time "
           "inside the native gather")
     print(f"\na graph of one tiny kernel: {machine['tiny_graph_us']:.1f} us a replay (the floor)")
-    pauses = machine["doorbell_pauses"]
-    print("doorbell graph, 16 warm rows, replayed after a pause: " + ", ".join(
-        f"{key.removeprefix('after_').removesuffix('_us')} {us:.1f} us" for key, us in pauses.items()))
+    print("doorbell graph, 16 warm rows, replayed after a pause: "
+          + pauses_text(machine["doorbell_pauses"]))
+    print("graph of one tiny kernel, replayed after a pause:   "
+          + pauses_text(machine["tiny_graph_pauses"]))
     print(f"\ntiers (warm, eager, median us): {'split':<7} {'device_rows':>12} {'host_rows':>12} "
           f"{'place_s':>8} " + " ".join(f"{n:>9}" for n in SIZES))
     for r in tiers:
         print(f"{'':<30} {r['split']:<7} {r['device_rows']:>12,} {r['host_rows']:>12,} "
               f"{r['place_s']:>8.1f} " + " ".join(f"{r[f'{n}_us']:>9.1f}" for n in SIZES))
+    print(f"\nhost time of one eager call of {SIZES[0]} warm rows (median us, no sync; a torch "
+          f"kernel launch: {host['torch_launch_us']:.1f}):")
+    for source in ("device_tier", "page_cache"):
+        r = host[source]
+        enqueue = r.get("host_gather_enqueue_us")
+        print(f"  {source:<11} call {r['call_us']:6.1f} = torch.ops dispatch "
+              f"{r['call_us'] - r['ple_us']:5.1f} + ple {r['ple_us']:6.1f}, of which the decoder's "
+              f"launch {r['launch_us']:5.1f}"
+              + ("" if enqueue is None else f" and the host gather's enqueue {enqueue:5.1f}"))
     print(f"\npinned host-to-device copy: {machine['h2d_gbs']:.1f} GB/s; device-to-device copy: "
           f"{machine['d2d_gbs']:.1f} GB/s (ratio {machine['d2d_gbs'] / machine['h2d_gbs']:.1f}); "
           "speedup = baseline / best eager")
