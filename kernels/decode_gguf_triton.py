@@ -17,6 +17,9 @@ so the only float32 rounding is Q4_K's final subtraction and the order of the
 products does not matter.  The launches still disable FP fusion, so that no FMA
 changes gguf's operations even where that argument would not hold.
 
+Each row is read from the staged rows or, with tiers, where it lies, as in
+kernels/decode_triton.py (kernels/tier_rows_triton.py's ``call_row``).
+
 One kernel for the five formats, specialized by ``FMT``: they share everything
 but the few lines that find a value's bits and scale in its block (block
 layouts: `docs/design.md`, "Formats", and gguf/quants.py).  Each program decodes

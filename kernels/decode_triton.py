@@ -1,4 +1,7 @@
 """The GPU row decoder: staged row bytes to values, in one Triton kernel.
+With tiers the kernel reads each row where it lies instead, the device tier,
+the host tier or the staged rows (kernels/tier_rows_triton.py's ``call_row``,
+which kernels/decode_gguf_triton.py calls too).
 
 Bit-identical to the CPU decoder (kernels/decode.py, torch's conversions): scaled
 formats (fp8_e4m3fn, u8, i8) are widened to float32, multiplied by the scale in
@@ -156,7 +159,7 @@ def launch_decoder(kernel, staged: torch.Tensor | None, fmt: RowFormat, out: tor
     if staged is None:
         if tiers is None:
             raise ValueError("without tiers the rows must be staged")
-        staged = out.view(torch.uint8)  # never read (every row is resident), but of the staged type
+        staged = tiers.unread_rows  # every row is resident
     elif (staged.dtype != torch.uint8 or not staged.is_contiguous()
           or staged.shape != (n, row_bytes)):
         raise ValueError(f"staged {tuple(staged.shape)} {staged.dtype} does not hold {fmt.name} rows "

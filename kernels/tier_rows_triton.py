@@ -100,7 +100,8 @@ def check_ids_kernel(ids_ptr, n, num_rows, status_ptr, report_ptr, BLOCK: tl.con
 class TierRead:
     """How the decoders read one call's rows from the tiers (``call_row``):
     ``kernel_args``, their arguments ``ids_ptr`` to ``report_ptr``;
-    ``scan_ids``, their ``SCAN_IDS``.
+    ``scan_ids``, their ``SCAN_IDS``; ``unread_rows``, a uint8 tensor for a
+    rows pointer that is never read (no row staged).
 
     ``ids``: the call's ids (1-D, on the GPU); ``device_table`` /
     ``host_table``: the tiers (uint8 ``[rows, row_bytes]``, None for an empty
@@ -109,7 +110,7 @@ class TierRead:
     host gather checks the ids (every row resident).  Such a call of more
     than SCAN_MAX_IDS ids must have its ids checked by ``check_ids`` first."""
 
-    __slots__ = ("kernel_args", "scan_ids")
+    __slots__ = ("kernel_args", "scan_ids", "unread_rows")
 
     def __init__(self, ids: torch.Tensor, device_table: torch.Tensor | None,
                  host_table: torch.Tensor | None, first_row: int, num_rows: int,
@@ -124,6 +125,7 @@ class TierRead:
         no_tier = device_table if host_table is None else host_table
         if no_tier is None:
             no_tier = ids.view(torch.uint8)
+        self.unread_rows = no_tier
         self.kernel_args = (ids, no_tier if device_table is None else device_table,
                             no_tier if host_table is None else host_table, first_row, device_rows,
                             device_rows + host_rows, num_rows, hits, report if scans else hits)
