@@ -1,7 +1,8 @@
 """Benchmarks the gather's prefetch policies against each other, against NumPy
 and against what the disk serves, cold, warm and under memory pressure.
 
-    ple-bench-gather [--table-gib 8] [--calls 16] [--rows 18000]
+    ple-bench-gather [--table-gib 8 | --table-rows N] [--shards 8] [--files 4]
+                     [--calls 16] [--rows 18000]
                      [--windows 64,1024,4096,16384] [--warm]
                      [--direct-cache MiB] [--direct-blocks BYTES,...]
                      [--direct-depths N,...] [--io-queue-depth N] [--cpu-load N]
@@ -65,7 +66,6 @@ import argparse
 import json
 import mmap
 import os
-import subprocess
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -91,6 +91,15 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "there, else written there; a directory holding files ple did not "
                         "write is refused (default data/bench_table)")
     parser.add_argument("--table-gib", type=float, help="table size in GiB (default 8; --quick 0.25)")
+    parser.add_argument("--table-rows", type=int, metavar="N",
+                        help="table size in rows, instead of --table-gib (the reference n-gram "
+                        "table: 320001536)")
+    parser.add_argument("--shards", type=int, default=8,
+                        help="shards the table's rows are split into (default 8; the reference "
+                        "table: 128)")
+    parser.add_argument("--files", type=int, default=4,
+                        help="files the shards are spread over (default 4; the reference table: "
+                        "32), written in parallel (ple_tools.make_table)")
     parser.add_argument("--row-bytes", type=int, default=160, help="bytes (FP8 values) per row (default 160)")
     parser.add_argument("--calls", type=int, help="calls per arm (default 16; --quick 4)")
     parser.add_argument("--rows", type=int, help="random ids per call (default 18000; --quick 4000)")
@@ -147,6 +156,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "page tables of the mapped table are charged to the group as well (about "
                         "25 MiB for random rows over an 8 GiB table): the tool prints the page "
                         "cache room that is really left")
+    parser.add_argument("--arm-timeout", type=float, default=600, metavar="S",
+                        help="with --memory-limit, an arm's child still running after S seconds "
+                        "is killed and the arm reported as timed out (default 600)")
     add_json_option(parser)
     parser.add_argument("--plot", type=Path, metavar="PATH",
                         help="write a PNG of time per call and bytes read per arm (needs matplotlib)")
@@ -181,10 +193,11 @@ def arm_list(args) -> list[str]:
 
 def child_main(spec_json: str) -> None:
     """One arm in a child process: moves itself into the cgroup, touches the
-    ballast, runs the arm, writes its result as JSON to the parent's pipe."""
+    ballast, runs the arm, writes its result as a JSON line to the parent's file."""
     import numpy as np
 
     import ple
+    from ple_tools.arm_child import write_line
     from ple_tools.cgroup import MemoryCgroup
     from ple_tools.demo import make_requests
     from ple_tools.gather_arms import arm_kind, run_arm
@@ -219,13 +232,13 @@ def child_main(spec_json: str) -> None:
         "cache_room_bytes": group.limit - (usage - cache)}
     if table is not None:
         table.close()
-    with os.fdopen(spec["fd"], "w") as pipe:
-        json.dump(record, pipe)
+    write_line(spec, record)
 
 
 def run_arm_in_cgroup(args, arm: str, state: str, index: int, layout: Layout) -> dict:
     """Runs one arm in a child process inside a memory cgroup made for it
     (and removed after); returns the child's record."""
+    from ple_tools.arm_child import run_child
     from ple_tools.cgroup import MemoryCgroup
     from ple_tools.gather_arms import drop_files
 
@@ -233,26 +246,22 @@ def run_arm_in_cgroup(args, arm: str, state: str, index: int, layout: Layout) ->
     try:
         if state == "cold" and args.drop == "arm":
             drop_files(layout.paths)  # the parent maps nothing of the table
-        read_fd, write_fd = os.pipe()
         spec = {"table": str(args.table), "row_bytes": args.row_bytes, "calls": args.calls,
                 "rows": args.rows, "seed": args.seed, "arm": arm, "state": state,
                 "drop": args.drop, "threads": args.threads, "engine": args.ceiling_engine,
                 "io_queue_depth": args.io_queue_depth,
                 "cgroup": str(group.path), "cgroup_version": group.version, "limit": group.limit,
-                "ballast": args.ballast * MiB, "fd": write_fd}
-        child = subprocess.Popen([sys.executable, "-m", "ple_tools.bench_gather", "--child",
-                                  json.dumps(spec)], pass_fds=(write_fd,))
-        os.close(write_fd)
-        with os.fdopen(read_fd) as pipe:
-            text = pipe.read()
-        code = child.wait()
-        if code != 0 or not text:
+                "ballast": args.ballast * MiB}
+        run = run_child("ple_tools.bench_gather", spec, args.arm_timeout)
+        if run.timed_out:
+            raise RuntimeError(f"timed out: killed after {args.arm_timeout:.0f} s (--arm-timeout)")
+        if run.code != 0 or not run.lines:
             kills = group.oom_kills()
             why = (f"the child was OOM-killed ({kills} OOM kill(s) in its cgroup): the limit "
                    f"of {args.memory_limit} MiB leaves too little beside {args.ballast} MiB "
-                   "of ballast" if kills or code == -9 else f"the child exited with {code}")
+                   "of ballast" if kills or run.code == -9 else f"the child exited with {run.code}")
             raise RuntimeError(why)
-        return json.loads(text)
+        return run.lines[-1]
     finally:
         group.remove()
 
@@ -275,6 +284,8 @@ def run_plan(args, plan, layout: Layout, requests, new_pages, table, pressure: b
                 record = run_arm(args.table, layout, arm, requests, state, args.drop,
                                  args.threads, args.ceiling_engine, table, args.io_queue_depth)
             results.append(report.summarize(record, args.rows, new_pages))
+            print(f"  {arm} {state}: median {results[-1]['ms_median']:.1f} ms a call",
+                  file=sys.stderr, flush=True)
         except (RuntimeError, OSError) as error:
             print(f"  {arm} {state} failed: {error}", file=sys.stderr)
             results.append({"arm": arm, "state": state, "error": str(error)})
@@ -318,8 +329,9 @@ def run(args: argparse.Namespace) -> tuple[int, dict | None]:
         except ValueError as error:
             print(f"bench_gather: arm {arm}: {error}", file=sys.stderr)
             return 2, None
-    num_rows = int(args.table_gib * 2**30) // args.row_bytes
-    ensure_table(args.table, rows=num_rows, row_bytes=args.row_bytes)
+    num_rows = args.table_rows or int(args.table_gib * 2**30) // args.row_bytes
+    ensure_table(args.table, rows=num_rows, row_bytes=args.row_bytes, shards=args.shards,
+                 files=args.files)
     layout = Layout.open(args.table, PREFIX)
     requests = make_requests(num_rows, args.calls, args.rows, args.seed)
     ceilings = [f"ceiling:{int(d)}" for d in (args.ceiling or "").split(",") if d.strip()]

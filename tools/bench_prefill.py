@@ -1,0 +1,574 @@
+"""A long prompt of real text through the Flash-Next n-gram layer, chunked,
+cold, each arm in a child process of its own (optionally under a memory
+cgroup), each bounded in time.
+
+    ple-bench-prefill [--table DIR] [--ngram-base 20000000] [--shards 128] [--files 32]
+                      [--tokens-count 184134] [--chunk 2048] [--text PATH | --tokens PATH]
+                      [--ranks PATH] [--caches 512] [--compute-ms N] [--device cpu|cuda]
+                      [--memory-limit MiB --ballast MiB] [--deadline S] [--arms A,...]
+                      [--json PATH] [--quick]
+    (or python tools/bench_prefill.py ...)
+
+The layer is ``ple.layers.NGramEmbedding`` with Flash-Next's hashing
+(vocab 248,320, EOS 248,044, 3-grams, 8 heads per n-gram, seed 1234: 16 rows
+a token) over a table of random FP8 rows of 160 B written by
+ple_tools.make_table (its rows: the hashing's, padded to 128; the default
+base 20,000,000 gives the reference table, 320,001,536 rows in 128 shards
+over 32 files, 51.2 GB).  The prompt runs as forwards of --chunk tokens,
+each given the two tokens before it as context, as a chunked prefill does.
+
+Arms (--arms, in this order by default):
+
+  window          the default GatherConfig (the bounded prefetch window)
+  all             GatherConfig.from_spec("all"): every cold page advised first
+  direct          GatherConfig(io="direct"): O_DIRECT reads, no page cache
+  direct-cache:MiB  direct with a row cache of MiB (one arm per --caches value)
+  lookahead       the window, with layer.lookahead(prompt, chunk) before the
+                  first chunk and end_lookahead() after the last: the rows of
+                  the coming chunks are read while the current one computes
+
+Before each arm the table's pages are dropped from the page cache.  Under
+--memory-limit each arm's child runs in a memory cgroup (tools/cgroup.py:
+memory.high = the limit, plus the row cache's MiB for a direct-cache arm)
+with --ballast MiB of touched anonymous memory.  An arm still running after
+--deadline seconds is killed and reported as timed out, with the chunks it
+had done; every arm is printed as it ends.
+
+--compute-ms N runs a busy compute stand-in after each chunk's forward
+(CUDA: matmuls calibrated to N ms, then a synchronize; CPU: a busy loop of
+N ms): a chunk then costs its reads plus its compute, or, with lookahead,
+about the larger of them.  The tool prints compute alone and reads alone
+(the window arm's compute and forward times), no lookahead (the window
+arm's total) and lookahead, with the goal ratios: lookahead over no
+lookahead (goal <= 0.6) and over max(compute, reads) (goal <= 1.15).
+
+Per arm: time (total, forwards, compute, per chunk), distinct pages the
+gathers touched (summed over chunks: Table.stats' unique_pages) against the
+prompt's distinct pages, bytes read from disk (/proc/self/io), major faults,
+row-cache hits, prefetch hits (docs/counters.md), and the SHA-256 of the
+output rows (bf16, in prompt order).  Every finished arm must give the same
+SHA-256: the tool exits 1 when they differ or an arm fails (a timed-out arm
+is reported, not failed).
+
+Real text: the first --tokens-count tokens of --text (default: the running
+Python's own documentation, ``pydoc_data.topics`` followed by the stdlib's
+module, class and function docstrings; it differs between Python versions,
+so a run that must repeat another machine's tokens passes the same --text
+file, or --tokens) with GPT-2's BPE (tiktoken, the ``bench`` extra), whose
+ranks are ``whisper/assets/gpt2.tiktoken`` in openai-whisper's source
+distribution: --ranks PATH, else ~/.cache/ple/gpt2.tiktoken, which the tool
+makes, when missing, with ``pip download --no-binary :all: openai-whisper==
+20250625`` (a download; its SHA-256 is checked).  --save-text PATH and
+--save-tokens PATH write what was used.  The text, tokenizer, ranks' SHA-256
+and token count are in the report.
+
+--quick: a table of about 262,000 rows (base 16,384, 8 shards over 4 files),
+8,192 tokens, caches 16 MiB, deadline 120 s: a run of well under a minute.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import hashlib
+import json
+import mmap
+import os
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import time
+from pathlib import Path
+
+from ple_tools.figures import add_json_option, run_recorded
+
+MiB = 2**20
+# Flash-Next's n-gram hashing (docs/shared design, section 3): PLE layer 0.
+FLASH_NEXT = dict(vocab_size=248320, eos_id=248044, ngram_size=3, heads_per_ngram=8, seed=1234)
+PAD_TO = 128  # make_ngram_vocab_size_divisible_by
+DEFAULTS = dict(ngram_base=20_000_000, shards=128, files=32, tokens_count=184_134,
+                caches="512", deadline=300.0, table=Path("data/bench_prefill"))
+QUICK = dict(ngram_base=16_384, shards=8, files=4, tokens_count=8_192, caches="16",
+             deadline=120.0, table=Path("data/bench_prefill_quick"))
+WINDOW, LOOKAHEAD = "window", "lookahead"
+
+WHISPER = "openai-whisper==20250625"
+RANKS_MEMBER = "whisper/assets/gpt2.tiktoken"
+RANKS_SHA256 = "306cd27f03c1a714eca7108e03d66b7dc042abe8c258b44c199a7ed9838dd930"
+RANKS_CACHE = Path("~/.cache/ple/gpt2.tiktoken").expanduser()
+GPT2_END = {"<|endoftext|>": 50256}
+
+
+# -- the text and its tokens ------------------------------------------------
+
+def python_docs(min_chars: int) -> str:
+    """The running Python's documentation as prose: every pydoc topic (in
+    key order), then the docstrings of the stdlib's modules, classes and
+    functions (files in path order, tests left out), until `min_chars`."""
+    from pydoc_data.topics import topics
+
+    parts = [topics[key] for key in sorted(topics)]
+    size = sum(map(len, parts))
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    for path in sorted(stdlib.rglob("*.py")):
+        if size >= min_chars:
+            break
+        if {"test", "tests", "site-packages", "idle_test"} & set(path.relative_to(stdlib).parts):
+            continue
+        try:
+            tree = ast.parse(path.read_text(encoding="utf-8"))
+        except (SyntaxError, UnicodeDecodeError, ValueError):
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+                doc = ast.get_docstring(node)
+                if doc:
+                    parts.append(doc)
+                    size += len(doc)
+    return "\n\n".join(parts)
+
+
+def fetch_ranks(dest: Path) -> None:
+    """GPT-2's BPE ranks out of openai-whisper's source distribution (pip
+    download, no install), checked against their known SHA-256."""
+    import tarfile
+
+    print(f"downloading {WHISPER} (source) for GPT-2's BPE ranks into {dest}", file=sys.stderr)
+    with tempfile.TemporaryDirectory() as tmp:
+        subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps",
+                        "--no-binary", ":all:", WHISPER, "-d", tmp], check=True, timeout=300)
+        (archive,) = Path(tmp).glob("*.tar.gz")
+        with tarfile.open(archive) as tar:
+            member = next(m for m in tar.getmembers() if m.name.endswith(RANKS_MEMBER))
+            data = tar.extractfile(member).read()
+    if hashlib.sha256(data).hexdigest() != RANKS_SHA256:
+        raise RuntimeError(f"{member.name} in {archive.name} is not the known gpt2.tiktoken")
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    dest.write_bytes(data)
+
+
+def gpt2(ranks: Path):
+    """tiktoken's Encoding of GPT-2 (r50k_base) from a local ranks file."""
+    import tiktoken
+    from tiktoken.load import load_tiktoken_bpe
+    from tiktoken_ext.openai_public import r50k_pat_str
+
+    return tiktoken.Encoding("gpt2", pat_str=r50k_pat_str,
+                             mergeable_ranks=load_tiktoken_bpe(str(ranks)),
+                             special_tokens=GPT2_END)
+
+
+def prompt_tokens(args) -> tuple["np.ndarray", dict]:
+    """The prompt's token ids (int64) and a record of where they came from."""
+    import numpy as np
+
+    if args.tokens:
+        tokens = np.load(args.tokens).astype(np.int64).ravel()[:args.tokens_count]
+        source = {"tokens_file": str(args.tokens),
+                  "tokens_sha256": hashlib.sha256(np.load(args.tokens).tobytes()).hexdigest()}
+    else:
+        ranks = args.ranks or RANKS_CACHE
+        if not ranks.is_file():
+            if args.ranks:
+                raise SystemExit(f"error: no ranks file at {ranks}")
+            fetch_ranks(ranks)
+        if args.text:
+            text, text_name = args.text.read_text(encoding="utf-8"), str(args.text)
+        else:
+            # about 3.4 characters a GPT-2 token in this prose: ask for 5 to be sure
+            text = python_docs(5 * args.tokens_count)
+            text_name = f"Python {sys.version.split()[0]} docs (pydoc_data.topics, stdlib docstrings)"
+        if args.save_text:
+            args.save_text.write_text(text, encoding="utf-8")
+        tokens = np.array(gpt2(ranks).encode_ordinary(text)[:args.tokens_count], dtype=np.int64)
+        source = {"text": text_name, "text_chars": len(text),
+                  "text_sha256": hashlib.sha256(text.encode()).hexdigest(),
+                  "tokenizer": "GPT-2 BPE (tiktoken r50k_base)",
+                  "ranks_sha256": hashlib.sha256(ranks.read_bytes()).hexdigest()}
+    if len(tokens) < args.tokens_count:
+        raise SystemExit(f"error: the text gives {len(tokens):,} tokens, fewer than "
+                         f"--tokens-count {args.tokens_count:,}")
+    if args.save_tokens:
+        np.save(args.save_tokens, tokens)
+    source["tokens"] = len(tokens)
+    return tokens, source
+
+
+# -- the arms ----------------------------------------------------------------
+
+def hashing_of(base: int):
+    from ple.layers.ngram_ids import NGramHashing
+
+    return NGramHashing(**FLASH_NEXT, base_size=base)
+
+
+def arm_config(arm: str):
+    import ple
+
+    kind, _, value = arm.partition(":")
+    if kind == "direct-cache":
+        return ple.GatherConfig(io="direct", row_cache_mib=int(value))
+    return {WINDOW: ple.GatherConfig(), LOOKAHEAD: ple.GatherConfig(),
+            "all": ple.GatherConfig.from_spec("all"),
+            "direct": ple.GatherConfig(io="direct")}[kind]
+
+
+def cache_mib(arm: str) -> int:
+    return int(arm.partition(":")[2]) if arm.startswith("direct-cache:") else 0
+
+
+def lookahead_available() -> bool:
+    from ple.layers import NGramEmbedding
+
+    return hasattr(NGramEmbedding, "lookahead") and hasattr(NGramEmbedding, "end_lookahead")
+
+
+class BusyCompute:
+    """A chunk's compute stand-in of about `ms` milliseconds: on CUDA,
+    bf16 matmuls (a count calibrated once) and a synchronize; on a CPU, a
+    busy loop (no sleep: the core is taken, as compute takes it)."""
+
+    def __init__(self, ms: float, device: str):
+        import torch
+
+        self.ms, self.device, self.steps = ms, device, 0
+        if ms <= 0 or device != "cuda":
+            return
+        self.a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+        self.b = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+        self.steps = 8
+        self.run()  # warm up, then time 8 and scale
+        start = time.perf_counter()
+        self.run()
+        per_step = (time.perf_counter() - start) / 8
+        self.steps = max(1, round(ms / 1e3 / per_step))
+
+    def run(self) -> None:
+        if self.ms <= 0:
+            return
+        if self.device == "cuda":
+            import torch
+
+            for _ in range(self.steps):
+                torch.mm(self.a, self.b)
+            torch.cuda.synchronize()
+        else:
+            end = time.perf_counter() + self.ms / 1e3
+            while time.perf_counter() < end:
+                pass
+
+
+def run_arm(spec: dict, table, write_line) -> dict:
+    """Runs the prompt through the layer, chunk by chunk; writes a line per
+    chunk; returns the arm's record."""
+    import numpy as np
+    import torch
+
+    from ple.layers import NGramEmbedding
+    from ple_tools.demo import disk_read_bytes
+
+    layer = NGramEmbedding(table, hashing_of(spec["ngram_base"]), dtype=torch.bfloat16)
+    tokens = torch.from_numpy(np.load(spec["tokens_path"]))
+    compute = BusyCompute(spec["compute_ms"], spec["device"])
+    chunk, ctx = spec["chunk"], layer.hashing.context_size
+    device = torch.device(spec["device"])
+    digest = hashlib.sha256()
+    forward_s = compute_s = 0.0
+    before, read0 = table.stats(), disk_read_bytes()
+    start = time.perf_counter()
+    if spec["arm"] == LOOKAHEAD:
+        layer.lookahead(tokens, chunk, max_bytes=spec["lookahead_mib"] * MiB)
+    try:
+        for index, first in enumerate(range(0, len(tokens), chunk)):
+            ids = tokens[first:first + chunk]
+            context = tokens[first - ctx:first].reshape(1, ctx) if first >= ctx else None
+            t0 = time.perf_counter()
+            rows = layer(ids.to(device), context=None if context is None else context.to(device))
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            t1 = time.perf_counter()
+            compute.run()
+            t2 = time.perf_counter()
+            forward_s, compute_s = forward_s + t1 - t0, compute_s + t2 - t1
+            digest.update(rows.cpu().view(torch.int16).numpy().tobytes())  # untimed
+            write_line({"chunk": index, "forward_s": t1 - t0, "compute_s": t2 - t1})
+    finally:
+        if spec["arm"] == LOOKAHEAD:
+            layer.end_lookahead()
+    total = time.perf_counter() - start
+    after = table.stats()
+    delta = {key: after[key] - before[key] for key in after if isinstance(after[key], int)}
+    return {"arm": spec["arm"], "seconds": total, "forward_s": forward_s, "compute_s": compute_s,
+            "read_bytes": disk_read_bytes() - read0, "pages": delta.get("unique_pages"),
+            "major_faults": delta.get("major_faults"), "row_cache_hits": delta.get("row_cache_hits"),
+            "prefetch_hits": delta.get("prefetch_hits"), "direct_reads": delta.get("direct_reads"),
+            "io_backend": table.io_backend, "sha256": digest.hexdigest()}
+
+
+def child_main(spec_json: str) -> None:
+    """One arm in this child: opens the table, enters the cgroup (if any),
+    touches the ballast, runs the arm, writes its lines to the parent's file."""
+    import numpy as np
+
+    import ple
+    from ple_tools.arm_child import write_line
+    from ple_tools.cgroup import MemoryCgroup
+    from ple_tools.make_table import PREFIX
+    from ple_tools.table_layout import PAGE
+
+    spec = json.loads(spec_json)
+    table = ple.Table.from_safetensors(spec["table"], PREFIX, arm_config(spec["arm"]))
+    group = None
+    if spec["cgroup"]:
+        group = MemoryCgroup.attach(spec["cgroup"], spec["cgroup_version"], spec["limit"])
+        group.enter()
+        ballast = mmap.mmap(-1, max(spec["ballast"], 1),
+                            flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        np.frombuffer(ballast, dtype=np.uint8)[::PAGE] = 1
+    with table:
+        record = run_arm(spec, table, lambda line: write_line(spec, line))
+    if group is not None:
+        record["cgroup"] = {"limit_bytes": group.limit, "ballast_bytes": spec["ballast"],
+                            "peak": group.peak(), "oom_kills": group.oom_kills()}
+    write_line(spec, {"result": record})
+
+
+def run_arm_child(args, arm: str, index: int, paths, tokens_path: Path) -> dict:
+    """Drops the table's pages, runs `arm` in its child (in a cgroup of its
+    own under --memory-limit) within --deadline; returns its record: the
+    result, or the error or timeout with the chunks done."""
+    from ple_tools.arm_child import run_child
+    from ple_tools.cgroup import MemoryCgroup
+    from ple_tools.gather_arms import drop_files
+
+    group = None
+    if args.memory_limit is not None:
+        group = MemoryCgroup(f"ple-bench-{os.getpid()}-{index}", args.memory_limit + cache_mib(arm))
+    try:
+        drop_files(paths)  # this process maps nothing of the table
+        spec = {"arm": arm, "table": str(args.table), "tokens_path": str(tokens_path),
+                "ngram_base": args.ngram_base, "chunk": args.chunk,
+                "compute_ms": args.compute_ms, "device": args.device,
+                "lookahead_mib": args.lookahead_mib,
+                "cgroup": str(group.path) if group else None,
+                "cgroup_version": group.version if group else None,
+                "limit": group.limit if group else None, "ballast": args.ballast * MiB}
+        run = run_child("ple_tools.bench_prefill", spec, args.deadline)
+        chunks = [line for line in run.lines if "chunk" in line]
+        result = next((line["result"] for line in run.lines if "result" in line), None)
+        if result is not None and run.code == 0:
+            result["per_chunk_s"] = [c["forward_s"] + c["compute_s"] for c in chunks]
+            return result
+        if run.timed_out:
+            return {"arm": arm, "timed_out": True, "deadline_s": args.deadline,
+                    "chunks_done": len(chunks),
+                    "seconds_done": sum(c["forward_s"] + c["compute_s"] for c in chunks)}
+        kills = group.oom_kills() if group else 0
+        return {"arm": arm, "error": f"the child exited with {run.code}"
+                + (f" ({kills} OOM kill(s) in its cgroup)" if kills else ""),
+                "chunks_done": len(chunks)}
+    finally:
+        if group is not None:
+            group.remove()
+
+
+def arm_line(r: dict, chunks: int) -> str:
+    if r.get("timed_out"):
+        return (f"{r['arm']:<18} TIMED OUT after {r['deadline_s']:.0f} s "
+                f"({r['chunks_done']} of {chunks} chunks, {r['seconds_done']:.1f} s)")
+    if "error" in r:
+        return f"{r['arm']:<18} FAILED: {r['error']} ({r['chunks_done']} chunks done)"
+    per = sorted(r["per_chunk_s"])
+    return (f"{r['arm']:<18} {r['seconds']:>8.2f} {r['forward_s']:>8.2f} {r['compute_s']:>8.2f} "
+            f"{per[len(per) // 2] * 1e3:>9.1f} {per[-1] * 1e3:>9.1f} {r['pages']:>10,} "
+            f"{r['read_bytes'] / MiB:>9.1f} {r['major_faults']:>8,} {r['row_cache_hits']:>10,} "
+            f"{r['prefetch_hits']:>6,}  {r['sha256'][:16]}")
+
+
+HEADER = (f"{'arm':<18} {'total s':>8} {'reads s':>8} {'compute':>8} {'chunk ms':>9} "
+          f"{'max ms':>9} {'pages':>10} {'read MiB':>9} {'maj.flt':>8} {'cache hits':>10} "
+          f"{'pf.hit':>6}  sha256")
+
+
+def goal_check(results: list[dict]) -> dict | None:
+    """Compute alone, reads alone, lookahead and no lookahead (the window
+    arm), and the goal ratios; None unless both arms finished."""
+    by_arm = {r["arm"]: r for r in results if "sha256" in r}
+    window, ahead = by_arm.get(WINDOW), by_arm.get(LOOKAHEAD)
+    if window is None or ahead is None:
+        return None
+    check = {"compute_alone_s": window["compute_s"], "reads_alone_s": window["forward_s"],
+             "no_lookahead_s": window["seconds"], "lookahead_s": ahead["seconds"]}
+    check["lookahead_over_no_lookahead"] = check["lookahead_s"] / check["no_lookahead_s"]
+    check["lookahead_over_max"] = check["lookahead_s"] / max(check["compute_alone_s"],
+                                                            check["reads_alone_s"])
+    return check
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        epilog=__doc__.split("\n\n", 2)[2], formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--table", type=Path,
+                        help="the table's directory (ple_tools.make_table: reused if it holds "
+                        "this table, refused if it holds files ple did not write; default "
+                        "data/bench_prefill, --quick data/bench_prefill_quick)")
+    parser.add_argument("--ngram-base", type=int,
+                        help="the hashing's ngram_vocab_size_base: the table's size (default "
+                        "20000000, Flash-Next's: 320,001,536 rows; --quick 16384)")
+    parser.add_argument("--shards", type=int, help="table shards (default 128; --quick 8)")
+    parser.add_argument("--files", type=int, help="table files (default 32; --quick 4)")
+    parser.add_argument("--tokens-count", type=int,
+                        help="prompt tokens: the first N of the text (default 184134; --quick 8192)")
+    parser.add_argument("--chunk", type=int, default=2048, help="tokens a chunk (default 2048)")
+    parser.add_argument("--text", type=Path, help="a UTF-8 text file to tokenize (default: "
+                        "this Python's documentation)")
+    parser.add_argument("--tokens", type=Path,
+                        help="a .npy of token ids to use instead of tokenizing a text")
+    parser.add_argument("--ranks", type=Path, help="GPT-2's gpt2.tiktoken (default "
+                        f"{RANKS_CACHE}, downloaded there when missing)")
+    parser.add_argument("--save-text", type=Path, metavar="PATH", help="write the text used")
+    parser.add_argument("--save-tokens", type=Path, metavar="PATH",
+                        help="write the prompt's tokens (.npy)")
+    parser.add_argument("--arms", help="arms to run, comma separated (default: window, all, "
+                        "direct, direct-cache:MiB per --caches, lookahead)")
+    parser.add_argument("--caches", help="MiB of the direct-cache arms, comma separated "
+                        "(default 512; --quick 16)")
+    parser.add_argument("--lookahead-mib", type=int, default=64,
+                        help="the lookahead arm's bound on rows read ahead (default 64)")
+    parser.add_argument("--compute-ms", type=float, default=0.0, metavar="N",
+                        help="busy compute after each chunk, ms (default 0: none)")
+    parser.add_argument("--device", choices=("cpu", "cuda"),
+                        help="where the layer's output and the compute go (default cuda when "
+                        "available)")
+    parser.add_argument("--memory-limit", type=int, metavar="MiB",
+                        help="each arm's child in a memory cgroup of this memory.high (plus "
+                        "the row cache of a direct-cache arm; needs root or a delegated cgroup)")
+    parser.add_argument("--ballast", type=int, default=0, metavar="MiB",
+                        help="touched anonymous memory each child holds in its cgroup")
+    parser.add_argument("--deadline", type=float, metavar="S",
+                        help="an arm still running after S seconds is killed and reported as "
+                        "timed out (default 300; --quick 120)")
+    add_json_option(parser)
+    parser.add_argument("--quick", action="store_true", help="a small run for CI (see below)")
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    for key, value in (QUICK if args.quick else DEFAULTS).items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    if args.ballast and args.memory_limit is None:
+        parser.error("--ballast needs --memory-limit")
+    return args
+
+
+def default_arms(args) -> list[str]:
+    if args.arms:
+        return [a.strip() for a in args.arms.split(",") if a.strip()]
+    return ([WINDOW, "all", "direct"]
+            + [f"direct-cache:{int(m)}" for m in args.caches.split(",") if m.strip()]
+            + [LOOKAHEAD])
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.child:
+        child_main(args.child)
+        return 0
+    return run_recorded(args, "bench_prefill", argv, lambda: run(args))
+
+
+def run(args) -> tuple[int, dict | None]:
+    import numpy as np
+    import torch
+
+    from ple_tools.cgroup import CgroupError, MemoryCgroup
+    from ple_tools.make_table import PREFIX, ensure_table
+    from ple_tools.table_layout import Layout
+
+    if args.device is None:
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    arms = default_arms(args)
+    for arm in arms:
+        try:
+            arm_config(arm)
+        except (KeyError, ValueError):
+            print(f"error: unknown arm {arm!r}", file=sys.stderr)
+            return 2, None
+    if LOOKAHEAD in arms and not lookahead_available():
+        print("lookahead: not available (this ple's NGramEmbedding has no lookahead()); "
+              "the arm is left out", file=sys.stderr)
+        arms.remove(LOOKAHEAD)
+    if args.memory_limit is not None:
+        try:
+            MemoryCgroup(f"ple-bench-{os.getpid()}-probe", args.memory_limit).remove()
+        except CgroupError as error:
+            print(f"error: --memory-limit needs a memory cgroup that this tool creates, and it "
+                  f"cannot: {error}", file=sys.stderr)
+            return 2, None
+
+    tokens, source = prompt_tokens(args)
+    hashing = hashing_of(args.ngram_base)
+    rows = hashing.padded_rows(PAD_TO)
+    start = time.perf_counter()
+    ensure_table(args.table, rows=rows, row_bytes=160, shards=args.shards, files=args.files)
+    table_s = time.perf_counter() - start
+    layout = Layout.open(args.table, PREFIX)
+    row_ids = hashing.row_ids(torch.from_numpy(tokens)).numpy().ravel()
+    prompt_pages = len(layout.pages(row_ids))
+    chunks = -(-len(tokens) // args.chunk)
+
+    setup = (f"{len(tokens):,} tokens of {source.get('text', source.get('tokens_file'))}"
+             f"{' (' + source['tokenizer'] + ')' if 'tokenizer' in source else ''}, "
+             f"{chunks} chunks of {args.chunk}; Flash-Next hashing (base {args.ngram_base:,}): "
+             f"{len(row_ids):,} row reads on {prompt_pages:,} distinct pages; table "
+             f"{layout.num_rows:,} rows of 160 B in {len(layout.shard_rows)} shards over "
+             f"{len(layout.paths)} files ({layout.num_rows * 160 / 1e9:.1f} GB, ready in "
+             f"{table_s:.0f} s); device {args.device}; compute {args.compute_ms:g} ms a chunk; "
+             f"pages dropped before each arm; deadline {args.deadline:.0f} s an arm")
+    if args.memory_limit is not None:
+        setup += (f"; each arm in a memory cgroup of memory.high {args.memory_limit} MiB (+ its "
+                  f"row cache) with {args.ballast} MiB of touched ballast")
+    print(setup, file=sys.stderr)
+    results = []
+    with tempfile.TemporaryDirectory(prefix="ple-prefill-") as tmp:
+        tokens_path = Path(tmp) / "tokens.npy"
+        np.save(tokens_path, tokens)
+        print(HEADER, file=sys.stderr)
+        for index, arm in enumerate(arms):
+            results.append(run_arm_child(args, arm, index, layout.paths, tokens_path))
+            print(arm_line(results[-1], chunks), file=sys.stderr, flush=True)
+
+    print(setup)
+    print(HEADER)
+    print("-" * len(HEADER))
+    for r in results:
+        print(arm_line(r, chunks))
+    digests = {r["sha256"] for r in results if "sha256" in r}
+    failed = [r["arm"] for r in results if "error" in r]
+    timed_out = [r["arm"] for r in results if r.get("timed_out")]
+    print()
+    if len(digests) == 1:
+        print(f"every finished arm gave the same rows (sha256 {next(iter(digests))})")
+    elif digests:
+        print("FAIL: the arms gave different rows")
+    if timed_out:
+        print(f"timed out (killed at {args.deadline:.0f} s): {', '.join(timed_out)}")
+    check = goal_check(results) if args.compute_ms > 0 else None
+    if check:
+        print(f"compute alone {check['compute_alone_s']:.2f} s, reads alone "
+              f"{check['reads_alone_s']:.2f} s, no lookahead {check['no_lookahead_s']:.2f} s, "
+              f"lookahead {check['lookahead_s']:.2f} s: lookahead / no lookahead "
+              f"{check['lookahead_over_no_lookahead']:.2f}x (goal <= 0.6), lookahead / "
+              f"max(compute, reads) {check['lookahead_over_max']:.2f}x (goal <= 1.15)")
+    document = {"setup": setup, "source": source, "prompt_pages": prompt_pages,
+                "row_reads": len(row_ids), "chunks": chunks, "table_seconds": table_s,
+                "table": {"num_rows": layout.num_rows, "shard_rows": layout.shard_rows,
+                          "files": [str(p) for p in layout.paths]},
+                "arms": results, "sha256_equal": len(digests) <= 1, "failed_arms": failed,
+                "timed_out_arms": timed_out, "goal_check": check}
+    return (1 if failed or len(digests) > 1 else 0), document
+
+
+if __name__ == "__main__":
+    sys.exit(main())
