@@ -124,15 +124,17 @@ MAX_BLOCK = 1024
 
 
 @functools.cache
-def row_layout(fmt: RowFormat, dtype: torch.dtype, cols: int) -> tuple[int, int]:
-    """``(column block, row bytes)`` of a decoder of ``fmt`` rows into ``cols``
-    values of ``dtype``, after checking that it can decode them.  Cached: a
-    call's checks cost one lookup once a shape has been seen."""
+def row_layout(fmt: RowFormat, dtype: torch.dtype, cols: int) -> tuple[int, int, int]:
+    """``(column block, column blocks, row bytes)`` of a decoder of ``fmt``
+    rows into ``cols`` values of ``dtype``, after checking that it can decode
+    them.  Cached: a call's checks cost one lookup once a shape has been seen
+    (and triton.cdiv and next_power_of_2 take microseconds each)."""
     if dtype not in OUTPUT_DTYPES:
         raise ValueError(f"unsupported output dtype {dtype}")
     if fmt.is_block and cols % fmt.block_size:
         raise ValueError(f"{cols} values are not whole {fmt.name} blocks of {fmt.block_size}")
-    return min(MAX_BLOCK, triton.next_power_of_2(max(cols, 1))), fmt.row_bytes(cols)
+    block = min(MAX_BLOCK, triton.next_power_of_2(max(cols, 1)))
+    return block, triton.cdiv(cols, block), fmt.row_bytes(cols)
 
 
 def without_tiers(placeholder: torch.Tensor) -> tuple:
@@ -155,7 +157,7 @@ def launch_decoder(kernel, staged: torch.Tensor | None, fmt: RowFormat, out: tor
     if out.dim() != 2 or not out.is_contiguous():
         raise ValueError("out must be a contiguous [n, cols] tensor")
     n, cols = out.shape
-    block, row_bytes = row_layout(fmt, out.dtype, cols)
+    block, column_blocks, row_bytes = row_layout(fmt, out.dtype, cols)
     if staged is None:
         if tiers is None:
             raise ValueError("without tiers the rows must be staged")
@@ -167,7 +169,7 @@ def launch_decoder(kernel, staged: torch.Tensor | None, fmt: RowFormat, out: tor
     if n == 0:
         return out
     # Rows on axis 0 (up to 2^31 - 1), column blocks on axis 1 (<= 65535).
-    grid = (n, triton.cdiv(cols, block))
+    grid = (n, column_blocks)
     # A status word that is not read (HAS_STATUS false) may be any tensor's.
     source = without_tiers(out) if tiers is None else tiers.kernel_args
     kernel[grid](staged, out if status is None else status, out, cols, row_bytes, *source, *args,

@@ -119,7 +119,8 @@ class TierRead:
         device_rows = 0 if device_table is None else device_table.shape[0]
         host_rows = 0 if host_table is None else host_table.shape[0]
         scans = report is not None and n <= SCAN_MAX_IDS
-        self.scan_ids = max(16, triton.next_power_of_2(n)) if scans else 0
+        # A power of two at least n (not triton.next_power_of_2: microseconds a call).
+        self.scan_ids = max(16, 1 << (n - 1).bit_length()) if scans else 0
         # An absent tier or report is never read: any pointer of its type will
         # do (call_row picks between the tiers' pointers, whose types must agree).
         no_tier = device_table if host_table is None else host_table
