@@ -46,17 +46,18 @@ def disk_gather_cuda(table: Table, ids: torch.Tensor, dtype: torch.dtype, scale:
 def _gather(table: Table, handle: int, tiers: Tiers | None, ids: torch.Tensor,
             dtype: torch.dtype, scale: float) -> torch.Tensor:
     """disk_gather_cuda with the table's native handle and one snapshot of its tiers."""
-    stream = torch.cuda.current_stream(ids.device)
+    device = ids.device  # a new torch.device each time it is asked for
+    stream = torch.cuda.current_stream(device)
     capturing = torch.cuda.is_current_stream_capturing()
     staging = table.staging_for(stream, capturing)
     _raise_earlier_error(table, handle, staging, stream)
-    out = torch.empty((*ids.shape, table.cols), dtype=dtype, device=ids.device)
+    out = torch.empty((*ids.shape, table.cols), dtype=dtype, device=device)
     n = ids.numel()
     if n == 0:
         return out
     resident_range = (0, 0)
     if tiers is not None:
-        tiers.check_device(ids.device, table.name)
+        tiers.check_device(device, table.name)
         resident_range = tiers.resident_range
     on_disk = resident_range != (0, table.num_rows)
 
@@ -64,8 +65,8 @@ def _gather(table: Table, handle: int, tiers: Tiers | None, ids: torch.Tensor,
     if on_disk:
         rows, status = staging.gather(handle, ids, resident_range, capturing)
         if n * table.row_bytes > UVA_MAX_BYTES:
-            rows = rows.to(ids.device, non_blocking=True)
-    with torch.cuda.device(ids.device):
+            rows = rows.to(device, non_blocking=True)
+    with torch.cuda.device(device):
         if tiers is not None:
             # No host gather checks the ids when every row is resident: the
             # decoder does (or a kernel before it), and the next call learns
