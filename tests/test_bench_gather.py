@@ -6,6 +6,7 @@ the same bytes; under a memory cgroup it runs each arm in a child, and without
 the rights to make a cgroup it says so and exits non-zero.  The layout the
 tool reads from ple.Table puts each row where the gather finds it."""
 
+import hashlib
 import json
 import os
 import subprocess
@@ -201,3 +202,39 @@ def _leftover_cgroups():
         own = next((line.rstrip("\n").split(":", 2)[2] for line in f
                     if "memory" in line.split(":")[1].split(",")), "/")
     return list((Path("/sys/fs/cgroup/memory") / own.lstrip("/")).glob("ple-bench-*"))
+
+
+def test_table_layout_options_and_rows_from_numpy(tmp_path):
+    """--table-rows, --shards and --files lay the table out as asked (the
+    reference table's form, at a small size), and the bytes the arms gather
+    are the files' own, read with NumPy at the layout's offsets."""
+    table, out = tmp_path / "table", tmp_path / "results.json"
+    proc = run_tool("--quick", "--table", table, "--table-rows", 50_000, "--shards", 6,
+                    "--files", 4, "--calls", 2, "--rows", 500, "--windows", 4096, "--distance", 0,
+                    "--direct-cache", 0, "--ceiling", "", "--no-prime", "--json", out)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    doc = json.loads(out.read_text())["results"]
+    assert doc["table"]["num_rows"] == 50_000 and len(doc["table"]["files"]) == 4
+    assert doc["table"]["shard_rows"] == [8334] * 5 + [50_000 - 5 * 8334]
+    assert [r["arm"] for r in doc["arms"]] == ["none", "all", "window:4096", "direct"]
+    assert doc["sha256_equal"]
+    from ple_tools.demo import make_requests
+
+    layout = Layout.open(table, PREFIX)
+    maps = [np.memmap(p, dtype=np.uint8, mode="r") for p in layout.paths]
+    digest = hashlib.sha256()
+    for ids in make_requests(layout.num_rows, 2, 500, 0):
+        _, files, offsets = layout.locate(ids.numpy())
+        digest.update(np.stack([maps[f][o:o + 160] for f, o in zip(files, offsets)]).data)
+    assert doc["arms"][0]["sha256"] == digest.hexdigest()
+
+
+def test_parallel_writers_write_the_same_files(tmp_path):
+    """make_table's writer processes write the bytes one writer writes."""
+    from ple_tools.make_table import write_table
+
+    layout = dict(rows=20_000, row_bytes=160, shards=6, files=3, seed=5)
+    one = write_table(tmp_path / "one", writers=1, **layout)
+    two = write_table(tmp_path / "two", writers=2, **layout)
+    assert [p.name for p in one] == [p.name for p in two] and len(one) == 3
+    assert all(a.read_bytes() == b.read_bytes() for a, b in zip(one, two))

@@ -1,0 +1,117 @@
+"""tools/bench_prefill.py (ple-bench-prefill): on a small table, every arm
+(the window, direct I/O with a row cache, lookahead)
+runs in a child of its own and gives the same rows, which equal an
+independent NumPy reading of the shards; the table has the layout asked
+for; an arm past its deadline is reported as timed out, not waited for; the
+JSON document holds the arms, the token source and the goal check; real
+text is tokenized with GPT-2's BPE."""
+
+import hashlib
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from ple_tools import bench_prefill
+from ple_tools.make_table import PREFIX, SCALE
+from ple_tools.table_layout import Layout
+
+ROOT = Path(__file__).resolve().parents[1]
+TOOL = ROOT / "tools" / "bench_prefill.py"
+TOKENS = 3000  # two chunks of 2,048, the last one partial
+ARMS = ["window", "direct-cache:16", "lookahead"]  # the others are configs alike
+
+
+def run_tool(*args, timeout=240):
+    return subprocess.run([sys.executable, str(TOOL), "--quick", *map(str, args)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def tokens_file(tmp_path_factory):
+    """Token ids in GPT-2's range without the tokenizer: the bytes of this
+    Python's documentation (the tokenizer has a test of its own)."""
+    path = tmp_path_factory.mktemp("prefill") / "tokens.npy"
+    text = bench_prefill.python_docs(4 * TOKENS).encode()
+    np.save(path, np.frombuffer(text, dtype=np.uint8)[:TOKENS].astype(np.int64) * 97)
+    return path
+
+
+@pytest.fixture(scope="module")
+def quick(tokens_file):
+    table, out = tokens_file.parent / "table", tokens_file.parent / "prefill.json"
+    proc = run_tool("--table", table, "--tokens", tokens_file, "--tokens-count", TOKENS,
+                    "--shards", 6, "--files", 4, "--arms", ",".join(ARMS), "--compute-ms", 20,
+                    "--device", "cpu", "--json", out)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc, json.loads(out.read_text())["results"], table
+
+
+def test_every_arm_reports_its_figures_and_the_same_rows(quick):
+    proc, doc, _ = quick
+    arms = {r["arm"]: r for r in doc["arms"]}
+    assert list(arms) == ARMS and doc["failed_arms"] == [] and doc["timed_out_arms"] == []
+    assert doc["sha256_equal"] and len({r["sha256"] for r in arms.values()}) == 1
+    assert doc["chunks"] == 2 and doc["row_reads"] == TOKENS * 16
+    for arm, r in arms.items():
+        assert len(r["per_chunk_s"]) == 2, arm
+        assert r["seconds"] >= r["forward_s"] + r["compute_s"] > 0, arm
+        assert r["compute_s"] >= 2 * 0.020, arm  # the busy compute ran after each chunk
+        assert r["pages"] > 0 and r["read_bytes"] > 0, arm  # cold: read from disk
+    assert arms["direct-cache:16"]["row_cache_hits"] > 0 and arms["window"]["row_cache_hits"] == 0
+    assert arms["lookahead"]["prefetch_hits"] >= 1  # the second chunk came from its prefetch
+    assert arms["window"]["prefetch_hits"] == 0
+    check = doc["goal_check"]
+    assert check["reads_alone_s"] == arms["window"]["forward_s"]
+    assert check["lookahead_s"] == arms["lookahead"]["seconds"]
+    assert "compute alone" in proc.stdout and "lookahead / no lookahead" in proc.stdout
+    assert doc["source"]["tokens"] == TOKENS and "tokens_sha256" in doc["source"]
+
+
+def test_rows_equal_a_numpy_reading_of_the_shards(quick, tokens_file):
+    """The SHA-256 of the layer's rows equals that of rows read from the
+    files with np.memmap at the layout's offsets and scaled as the
+    reference model does (bf16 values times the bf16 scale)."""
+    _, doc, table = quick
+    layout = Layout.open(table, PREFIX)
+    assert len(layout.paths) == 4 and len(layout.shard_rows) == 6
+    hashing = bench_prefill.hashing_of(bench_prefill.QUICK["ngram_base"])
+    assert layout.num_rows == hashing.padded_rows(128)
+    ids = hashing.row_ids(torch.from_numpy(np.load(tokens_file)[:TOKENS])).numpy().ravel()
+    _, files, offsets = layout.locate(ids)
+    maps = [np.memmap(p, dtype=np.uint8, mode="r") for p in layout.paths]
+    raw = np.stack([maps[f][o:o + 160] for f, o in zip(files, offsets)])
+    values = torch.from_numpy(raw).view(torch.float8_e4m3fn).to(torch.bfloat16)
+    rows = (values * torch.tensor(SCALE).to(torch.bfloat16)).reshape(TOKENS, 16 * 160)
+    assert hashlib.sha256(rows.view(torch.int16).numpy().tobytes()).hexdigest() == \
+        doc["arms"][0]["sha256"]
+
+
+def test_an_arm_past_its_deadline_is_reported_as_timed_out(quick, tokens_file):
+    _, _, table = quick
+    proc = run_tool("--table", table, "--tokens", tokens_file, "--tokens-count", TOKENS,
+                    "--shards", 6, "--files", 4, "--arms", "window", "--device", "cpu",
+                    "--deadline", 0.5, timeout=60)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "window" in proc.stdout and "TIMED OUT after 0 s" in proc.stdout
+    assert "timed out (killed at 0 s): window" in proc.stdout
+
+
+def test_real_text_is_tokenized_with_gpt2s_bpe(tmp_path):
+    pytest.importorskip("tiktoken")
+    args = bench_prefill.parse_args(["--quick", "--tokens-count", "2000",
+                                     "--save-tokens", str(tmp_path / "t.npy")])
+    try:
+        tokens, source = bench_prefill.prompt_tokens(args)
+    except (subprocess.SubprocessError, OSError) as error:
+        pytest.skip(f"GPT-2's ranks could not be downloaded here: {error}")
+    assert len(tokens) == 2000 and source["tokens"] == 2000
+    assert source["ranks_sha256"] == bench_prefill.RANKS_SHA256
+    assert source["text"].startswith("Python ") and source["text_chars"] > 5 * 2000
+    assert (np.load(tmp_path / "t.npy") == tokens).all() and tokens.max() < 50257
+    # GPT-2's ids of a known phrase
+    assert bench_prefill.gpt2(bench_prefill.RANKS_CACHE).encode_ordinary("Hello world") == [15496, 995]
