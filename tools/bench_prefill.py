@@ -165,8 +165,7 @@ def prompt_tokens(args) -> tuple["np.ndarray", dict]:
 
     if args.tokens:
         tokens = np.load(args.tokens).astype(np.int64).ravel()[:args.tokens_count]
-        source = {"tokens_file": str(args.tokens),
-                  "tokens_sha256": hashlib.sha256(np.load(args.tokens).tobytes()).hexdigest()}
+        source = {"tokens_file": str(args.tokens)}
     else:
         ranks = args.ranks or RANKS_CACHE
         if not ranks.is_file():
@@ -191,7 +190,8 @@ def prompt_tokens(args) -> tuple["np.ndarray", dict]:
                          f"--tokens-count {args.tokens_count:,}")
     if args.save_tokens:
         np.save(args.save_tokens, tokens)
-    source["tokens"] = len(tokens)
+    # the same figure on two machines means the same prompt
+    source.update(tokens=len(tokens), tokens_sha256=hashlib.sha256(tokens.tobytes()).hexdigest())
     return tokens, source
 
 
