@@ -84,7 +84,7 @@ from pathlib import Path
 from ple_tools.figures import add_json_option, run_recorded
 
 MiB = 2**20
-# Flash-Next's n-gram hashing (docs/shared design, section 3): PLE layer 0.
+# Flash-Next's n-gram hashing (vocab, EOS, 3-grams of 8 heads, seed 1234): PLE layer 0.
 FLASH_NEXT = dict(vocab_size=248320, eos_id=248044, ngram_size=3, heads_per_ngram=8, seed=1234)
 PAD_TO = 128  # make_ngram_vocab_size_divisible_by
 DEFAULTS = dict(ngram_base=20_000_000, shards=128, files=32, tokens_count=184_134,
