@@ -5,6 +5,7 @@ device and stream."""
 from __future__ import annotations
 
 import mmap
+import weakref
 
 import numpy as np
 import torch
@@ -21,6 +22,10 @@ class PinnedBuffer:
     1 MiB takes 2 GiB), so the memory is mapped here and page-locked by the
     native part (which may do so while a CUDA graph is being captured);
     copies from it run at pinned speed and kernels can read it over UVA.
+    A buffer dropped without ``free()`` is unlocked before its memory is
+    unmapped: memory unmapped while registered stays registered with the
+    driver, and a later mapping at that address cannot be page-locked
+    (CUresult 712).
     """
 
     def __init__(self, nbytes: int):
@@ -29,6 +34,11 @@ class PinnedBuffer:
         # A thread with no CUDA context yet borrows this device's.
         self.device = torch.cuda.current_device()
         native.register_host_memory(self.bytes.data_ptr(), self.bytes.numel(), self.device)
+        # Weak references are cleared, and this runs, before the buffer's
+        # attributes (the mapping) are released.
+        self._unregister = weakref.finalize(self, native.unregister_host_memory,
+                                            self.bytes.data_ptr(), self.device)
+        self._unregister.atexit = False  # the process's exit unmaps and unlocks everything
         self.captured = False  # used by a CUDA graph: lives until the table closes
 
     @property
@@ -37,7 +47,7 @@ class PinnedBuffer:
 
     def free(self) -> None:
         if self.bytes is not None:
-            native.unregister_host_memory(self.bytes.data_ptr(), self.device)
+            self._unregister()
             self.bytes = None
 
 

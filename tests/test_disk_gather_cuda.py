@@ -239,3 +239,12 @@ def test_a_truncated_file_gives_nan_and_the_next_call_raises(tmp_path):
             torch.ops.ple.disk_gather(lost[:1], table.handle)
         kept = torch.ops.ple.disk_gather(lost[:1], table.handle)
         assert (kept.cpu() == 1).all()
+
+
+def test_a_pinned_buffer_dropped_without_free_is_unlocked():
+    """Each buffer is dropped at once, so the next mapping usually takes its
+    address: one left registered would make the next registration fail."""
+    from ple.staging import PinnedBuffer
+
+    for _ in range(20):
+        assert PinnedBuffer(1 << 16).nbytes == 1 << 16

@@ -218,7 +218,14 @@ def test_tiers_read_checks_the_ids_when_no_host_gather_does(interpreted, monkeyp
     def read_rows(ids, out):
         out.copy_(table[ids])
 
-    tiers = Tiers(read_rows, 8, 0, NUM_ROWS, None)
+    tiers = Tiers(read_rows, 8, 0, NUM_ROWS, None)  # pinned where CUDA is: freed below
+    try:
+        check_reads_of(tiers, table, n, interpreted)
+    finally:
+        tiers.free()
+
+
+def check_reads_of(tiers, table, n: int, interpreted) -> None:
     ids = torch.from_numpy(np.random.default_rng(n).integers(0, NUM_ROWS, n))
     ids[0] = NUM_ROWS
     report = torch.zeros(1, dtype=torch.int32)
