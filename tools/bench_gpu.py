@@ -384,12 +384,12 @@ def run(args: argparse.Namespace) -> tuple[int, dict | None]:
         host = host_overhead(table, args.calls, gen, device)
 
         big = 256 << 20
-        host = PinnedBuffer(big)
+        pinned = PinnedBuffer(big)
         dev_a, dev_b = torch.empty(big, dtype=torch.uint8, device=device), torch.empty(
             big, dtype=torch.uint8, device=device)
-        machine["h2d_gbs"] = bandwidth_gbs(host.bytes, dev_a)
+        machine["h2d_gbs"] = bandwidth_gbs(pinned.bytes, dev_a)
         machine["d2d_gbs"] = bandwidth_gbs(dev_a, dev_b)
-        host.free()
+        pinned.free()
 
     report(machine, results, tiers, host)
     return 0, {"machine": machine, "cases": results, "tiers": tiers, "host": host}
