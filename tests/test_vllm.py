@@ -1,0 +1,299 @@
+"""ple inside vLLM (ple.integrations.vllm, docs/vllm.md): a tiny random Gemma
+3n served through ``vllm.LLM`` on the CPU with its ``embed_tokens_per_layer``
+in the checkpoint's files, against the same model with the table in memory
+(every logprob to the bit), against transformers (the tokens), eager and
+under vLLM's torch.compile, with the engine in-process and in its own
+process; the table's bytes never read at load; a warm vLLM compile cache in
+a second process whose tables open in another order.
+
+vLLM runs in subprocesses with a timeout (one process runs several engines:
+vLLM's start-up is most of the cost).  Needs vLLM (``make test-vllm``);
+skipped without it."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("vllm", reason="vLLM is not installed (make test-vllm)")
+transformers = pytest.importorskip("transformers")
+
+from safetensors import safe_open  # noqa: E402
+from safetensors.torch import save_file  # noqa: E402
+from transformers import Gemma3nForCausalLM, Gemma3nTextConfig  # noqa: E402
+
+from helpers import PAGE, REPO, resident_pages  # noqa: E402
+
+TIMEOUT_S = 420
+TABLE = "model.embed_tokens_per_layer.weight"
+OTHERS_FILE = "model-00001-of-00002.safetensors"
+TABLE_FILE = "model-00002-of-00002.safetensors"
+# A tiny Gemma 3n whose per-layer table is 1024 x 64 float32 (256 KiB, 64
+# pages: a whole-file read shows); the logits are tied to embed_tokens, as
+# vLLM's Gemma 3n needs.
+GEMMA_CONFIG = dict(
+    vocab_size=1024, vocab_size_per_layer_input=1024, hidden_size=64,
+    hidden_size_per_layer_input=16, intermediate_size=128, num_hidden_layers=4,
+    num_attention_heads=2, num_key_value_heads=1, head_dim=32, num_kv_shared_layers=2,
+    laurel_rank=8, sliding_window=16, layer_types=["sliding_attention", "full_attention"] * 2,
+    activation_sparsity_pattern=[0.0] * 4, altup_num_inputs=2, max_position_embeddings=128,
+    tie_word_embeddings=True)
+PROMPTS = [[5, 17, 99, 3, 1000, 45, 700, 12], [7, 8, 9], [300, 301, 302, 303, 2]]
+MAX_TOKENS = 6
+LOGPROBS = 3
+
+# One process, several engines in turn (vllm.LLM); argv: a JSON spec.  Each
+# arm sets PLE_OFFLOAD before its engine is built (the plugin reads it then;
+# with the engine in its own process, vLLM loads the plugin there afresh),
+# and reports its tokens, its logprobs as float.hex (bits), its tables'
+# counters and the table's resident pages after load.
+SESSION = r"""
+import gc, json, os, sys
+
+def drop_pages(path):
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+def table_stats(model):
+    from ple.layers import DiskEmbedding
+    return {name: {"rows": module.table.stats()["rows"], "handle": module.table.handle}
+            for name, module in model.named_modules() if isinstance(module, DiskEmbedding)}
+
+def main():
+    spec = json.loads(sys.argv[1])
+    sys.path.insert(0, spec["tests"])
+    from helpers import resident_pages
+    from vllm import LLM, SamplingParams
+    import ple
+    # A table of the same name from other files, opened before the model's.
+    other = os.environ.get("PLE_TEST_OPEN_FIRST")
+    opened_first = ple.Table.from_safetensors(other, "model.embed_tokens_per_layer.weight") if other else None
+    for arm in spec["arms"]:
+        for name, value in arm.get("env", {}).items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+        model = arm.get("model", spec["model"])
+        if arm.get("drop_pages"):
+            gc.collect()
+            for name in spec["files"]:
+                drop_pages(os.path.join(model, name))
+        llm = LLM(model=model, skip_tokenizer_init=True, dtype="float32", seed=0,
+                  max_model_len=128, max_num_seqs=4, gpu_memory_utilization=0.1,
+                  enforce_eager=arm["eager"], **arm.get("llm", {}))
+        resident = resident_pages(os.path.join(model, spec["table_file"]))
+        outputs = llm.generate([{"prompt_token_ids": p} for p in spec["prompts"]],
+                               SamplingParams(max_tokens=spec["max_tokens"], temperature=0,
+                                              logprobs=spec["logprobs"], detokenize=False))
+        result = {"name": arm["name"], "resident_table_pages": resident,
+                  "tables": llm.apply_model(table_stats)[0],
+                  "tokens": [list(o.outputs[0].token_ids) for o in outputs],
+                  "logprobs": [[{str(k): v.logprob.hex() for k, v in step.items()}
+                                for step in o.outputs[0].logprobs] for o in outputs]}
+        print("RESULT " + json.dumps(result), flush=True)
+        del llm, outputs
+        gc.collect()
+"""
+
+
+def write_checkpoint(directory: Path, seed: int = 0) -> Path:
+    """A tiny random Gemma 3n saved by transformers, re-saved as two files
+    and an index, as the published checkpoints are sharded: the table alone
+    in TABLE_FILE (a small file shared with other tensors is read whole by
+    the kernel's readahead around their pages), flushed to the disk (so that
+    their pages can be dropped)."""
+    torch.manual_seed(seed)
+    model = Gemma3nForCausalLM(Gemma3nTextConfig(**GEMMA_CONFIG)).eval()
+    # Initialized to zero, this scale multiplies the per-layer inputs' whole
+    # contribution: the logits would not depend on the table.
+    for layer in model.model.layers:
+        torch.nn.init.normal_(layer.altup.correct_output_scale)
+    model.save_pretrained(directory)
+    single = directory / "model.safetensors"
+    with safe_open(single, "pt") as f:
+        weights = {key: f.get_tensor(key) for key in f.keys()}  # noqa: SIM118
+    single.unlink()
+    table = {TABLE: weights.pop(TABLE)}
+    for name, part in ((OTHERS_FILE, weights), (TABLE_FILE, table)):
+        save_file(part, str(directory / name), metadata={"format": "pt"})
+        fd = os.open(directory / name, os.O_RDONLY)
+        os.fsync(fd)
+        os.close(fd)
+    weight_map = {**dict.fromkeys(weights, OTHERS_FILE), TABLE: TABLE_FILE}
+    (directory / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return directory
+
+
+def run_session(model: Path, arms: list[dict], *, engine_in_process: bool,
+                env: dict | None = None, cwd: Path | None = None) -> tuple[dict, str]:
+    """Runs the arms in one new interpreter; ({arm name: result}, its log)."""
+    spec = {"model": str(model), "arms": arms, "prompts": PROMPTS, "max_tokens": MAX_TOKENS,
+            "logprobs": LOGPROBS, "files": [OTHERS_FILE, TABLE_FILE], "table_file": TABLE_FILE,
+            "tests": str(REPO / "tests")}
+    environment = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0" if engine_in_process else "1",
+                   # apply_model sends a function to the engine's process
+                   "VLLM_ALLOW_INSECURE_SERIALIZATION": "1", **(env or {})}
+    environment.pop("PLE_OFFLOAD", None)
+    # An importable module, so that apply_model's function pickles by name
+    # into the engine's process.
+    session = model.parent / "vllm_session.py"
+    session.write_text(SESSION)
+    environment["PYTHONPATH"] = os.pathsep.join(filter(None, [str(session.parent),
+                                                              environment.get("PYTHONPATH")]))
+    done = subprocess.run([sys.executable, "-c", "import vllm_session; vllm_session.main()",
+                           json.dumps(spec)], capture_output=True,
+                          text=True, timeout=TIMEOUT_S, env=environment, cwd=cwd or model)
+    log = done.stdout + done.stderr
+    assert done.returncode == 0, log[-6000:]
+    results = {}
+    for line in done.stdout.splitlines():
+        if line.startswith("RESULT "):
+            result = json.loads(line.removeprefix("RESULT "))
+            results[result["name"]] = result
+    assert [arm["name"] for arm in arms] == list(results), log[-6000:]
+    return results, log
+
+
+def arm(name: str, offload: str | None, *, eager: bool, **extra) -> dict:
+    return {"name": name, "env": {"PLE_OFFLOAD": offload}, "eager": eager, **extra}
+
+
+def assert_same_outputs(a: dict, b: dict) -> None:
+    assert a["tokens"] == b["tokens"], (a["name"], b["name"])
+    assert a["logprobs"] == b["logprobs"], (a["name"], b["name"])
+
+
+def transformers_tokens(model: Path) -> list[list[int]]:
+    """Greedy tokens of transformers' Gemma3nForCausalLM over the checkpoint."""
+    reference = Gemma3nForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+    tokens = []
+    with torch.no_grad():
+        for prompt in PROMPTS:
+            out = reference.generate(torch.tensor([prompt]), max_new_tokens=MAX_TOKENS,
+                                     do_sample=False, min_new_tokens=MAX_TOKENS)
+            tokens.append(out[0, len(prompt):].tolist())
+    return tokens
+
+
+@pytest.fixture(scope="module")
+def gemma(tmp_path_factory) -> Path:
+    return write_checkpoint(tmp_path_factory.mktemp("gemma3n"))
+
+
+@pytest.fixture(scope="module")
+def in_process(gemma):
+    """Engines in-process, one after another: vLLM's whole-file load strategy
+    with the table in memory, then offloaded; then eager and compiled, the
+    table in memory ("none") and offloaded ("auto")."""
+    # The plugin is loaded once per process, at the first engine: "none" asks
+    # for ple's classes, every later arm's PLE_OFFLOAD is read as its model
+    # is built.
+    eager_load = {"safetensors_load_strategy": "eager"}
+    # The first compiled engine of a process gives some logprobs that differ
+    # in the last bit from those of every later one, the in-memory model's
+    # too (vLLM's and inductor's state, not ple's): compiled arms are
+    # compared after it.
+    arms = [arm("eager-load-in-memory", "none", eager=True, drop_pages=True, llm=eager_load),
+            arm("eager-load-ple", "auto", eager=True, drop_pages=True, llm=eager_load),
+            arm("eager-in-memory", "none", eager=True),
+            arm("compiled-first", "none", eager=False),
+            arm("compiled-in-memory", "none", eager=False),
+            arm("compiled-ple", "auto", eager=False)]
+    return run_session(gemma, arms, engine_in_process=True,
+                       env={"VLLM_CACHE_ROOT": str(gemma / "vllm-cache")})
+
+
+def test_offloaded_gemma_equals_the_in_memory_model_eager_and_compiled(in_process):
+    results, log = in_process
+    assert_same_outputs(results["eager-load-ple"], results["eager-in-memory"])
+    assert_same_outputs(results["compiled-ple"], results["compiled-in-memory"])
+    assert results["compiled-ple"]["tokens"] == results["eager-load-ple"]["tokens"]
+    for name in ("eager-load-ple", "compiled-ple"):
+        (table,) = results[name]["tables"].values()
+        assert table["rows"] > 0  # the rows came through ple
+    assert results["eager-in-memory"]["tables"] == {}
+    assert "ple: model.self_decoder.embed_tokens_per_layer <- " \
+           "model.embed_tokens_per_layer.weight (1024 x 64 f32 in model-00002-of-00002.safetensors) served " \
+           "from the checkpoint's files: 0.25 MiB of memory saved" in log
+    assert "ple's computes them from embed_tokens_per_layer as transformers does" in log
+
+
+def test_offloaded_gemma_gives_transformers_tokens(gemma, in_process):
+    results, _ = in_process
+    assert results["compiled-ple"]["tokens"] == transformers_tokens(gemma)
+
+
+def test_the_table_is_never_read_at_load_even_with_a_whole_file_strategy(gemma, in_process):
+    results, log = in_process
+    pages = -(-(gemma / TABLE_FILE).stat().st_size // PAGE)
+    # vLLM's eager strategy reads the whole file, the table with it ...
+    assert results["eager-load-in-memory"]["resident_table_pages"] == pages
+    # ... but not with ple: the header's read (with the few pages of the
+    # kernel's readahead: 4 here) and row 0, which the profile run gathers.
+    assert results["eager-load-ple"]["resident_table_pages"] <= 8 < pages
+    assert "ple: safetensors_load_strategy='eager' reads whole files, the tables' too: " \
+           "loading with 'lazy' instead" in log
+
+
+def test_engine_in_its_own_process(gemma):
+    """Each engine in a process of its own (the plugin loaded there):
+    compiled, the table in memory and offloaded."""
+    arms = [arm("compiled-in-memory", "none", eager=False), arm("compiled-ple", "auto", eager=False)]
+    results, log = run_session(gemma, arms, engine_in_process=False)
+    assert_same_outputs(results["compiled-ple"], results["compiled-in-memory"])
+    (table,) = results["compiled-ple"]["tables"].values()
+    assert table["rows"] > 0
+    assert "served from the checkpoint's files" in log
+
+
+def test_unasked_the_plugin_changes_nothing(gemma, in_process):
+    """With PLE_OFFLOAD unset vLLM's own class serves: no table of ple, no
+    log line, and (vLLM 0.32's text-only class computing no per-layer
+    inputs) a zeroed table gives the same logprobs, unlike ple's class."""
+    mended, _ = in_process
+    zeroed = gemma.parent / "gemma3n-zeroed-table"
+    zeroed.mkdir()
+    for file in gemma.glob("*.json"):  # the configs and the index
+        (zeroed / file.name).write_text(file.read_text())
+    (zeroed / OTHERS_FILE).write_bytes((gemma / OTHERS_FILE).read_bytes())
+    with safe_open(gemma / TABLE_FILE, "pt") as f:
+        table = f.get_tensor(TABLE)
+    save_file({TABLE: torch.zeros_like(table)}, str(zeroed / TABLE_FILE), metadata={"format": "pt"})
+    arms = [arm("vllm-own", None, eager=True),
+            arm("vllm-own-zeroed", None, eager=True, model=str(zeroed))]
+    results, log = run_session(gemma, arms, engine_in_process=True)
+    assert results["vllm-own"]["tables"] == {}
+    assert_same_outputs(results["vllm-own"], results["vllm-own-zeroed"])
+    assert results["vllm-own"]["logprobs"] != mended["eager-in-memory"]["logprobs"]
+    assert "ple:" not in log
+
+
+def test_a_warm_compile_cache_in_a_process_whose_tables_open_in_another_order(gemma, tmp_path):
+    """The second process opens another checkpoint's table of the same name
+    first, then serves the model over the first process's vLLM compile
+    cache: the cached graph gathers from the model's own table."""
+    other = write_checkpoint(tmp_path / "other", seed=1)
+    cache = {"VLLM_CACHE_ROOT": str(tmp_path / "vllm-cache")}
+    first, first_log = run_session(gemma, [arm("compiled-ple", "auto", eager=False)],
+                                   engine_in_process=True, env=cache)
+    opens_another_first = {"PLE_TEST_OPEN_FIRST": str(other / TABLE_FILE)}
+    second, second_log = run_session(gemma, [arm("compiled-ple", "auto", eager=False)],
+                                     engine_in_process=True, env={**cache, **opens_another_first})
+    assert "Directly load" not in first_log
+    assert "Directly load" in second_log, second_log[-4000:]
+    assert_same_outputs(first["compiled-ple"], second["compiled-ple"])
+    (handle,) = [t["handle"] for t in second["compiled-ple"]["tables"].values()]
+    assert handle == next(iter(first["compiled-ple"]["tables"].values()))["handle"]
