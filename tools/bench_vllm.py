@@ -21,8 +21,8 @@ checkpoint's pages were dropped from the page cache:
 - ``ple``: ``PLE_OFFLOAD=auto``: the table stays in its file.
 
 ``load s`` is the ``vllm.LLM(...)`` call, ``RSS after load`` the process's
-resident memory after it less before it (the KV cache that vLLM reserves is
-the same in both arms), ``first token s`` a greedy generate of one token
+resident memory after it less before it (a KV cache of 1 GiB in both arms,
+``VLLM_CPU_KVCACHE_SPACE=1``; prefix caching off), ``first token s`` a greedy generate of one token
 after ``--prompt`` tokens, ``ms/token`` the median decode step of a generate
 of ``--new-tokens`` tokens after it; ``cold`` is the first prompt (its rows
 never read), ``warm`` the same prompt again.  Both arms must generate the
@@ -152,7 +152,7 @@ def run_arm(args: argparse.Namespace) -> dict:
     start = time.perf_counter()
     llm = LLM(model=str(args.dir), skip_tokenizer_init=True, dtype="bfloat16", seed=0,
               enforce_eager=True, max_model_len=args.prompt + args.new_tokens + 8,
-              max_num_seqs=1, gpu_memory_utilization=0.1)
+              max_num_seqs=1, enable_prefix_caching=False)
     load_s = time.perf_counter() - start
     loaded = rss_bytes() - before
     result = {"arm": args.child, "load_s": load_s, "rss_after_load_bytes": loaded}
@@ -205,7 +205,10 @@ def run(args: argparse.Namespace) -> tuple[int, dict]:
           f"(ready in {time.perf_counter() - start:.1f} s)")
     results = []
     for arm in args.arms.split(","):
-        env = {**os.environ, "PLE_OFFLOAD": ARMS[arm], "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+        # A KV cache of 1 GiB in both arms: vLLM's CPU worker would size it
+        # from the memory the model leaves, so the arms' RSS would differ by it.
+        env = {**os.environ, "PLE_OFFLOAD": ARMS[arm], "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+               "VLLM_CPU_KVCACHE_SPACE": "1"}
         command = [sys.executable, "-m", "ple_tools.bench_vllm", "--dir", str(args.dir),
                    "--prompt", str(args.prompt), "--new-tokens", str(args.new_tokens),
                    "--child", arm]
