@@ -70,7 +70,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ple_tools.figures import add_json_option, run_recorded
+from ple_tools.figures import add_json_option, parse_with_defaults, run_recorded
 
 if TYPE_CHECKING:  # for annotations; imported after parsing
     from ple_tools.table_layout import Layout
@@ -166,15 +166,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="a run of under a minute: 256 MiB table, 4 calls of 4000 rows, "
                         "windows 64 and 4096, ceiling:32 only (explicit flags still win)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
-    for key, value in (QUICK if args.quick else DEFAULTS).items():
-        if getattr(args, key) is None:
-            setattr(args, key, value)
-    if args.ballast and args.memory_limit is None:
-        parser.error("--ballast needs --memory-limit")
-    if args.memory_limit is not None and args.ballast >= args.memory_limit:
-        parser.error("--ballast must be less than --memory-limit")
-    return args
+    return parse_with_defaults(parser, argv, DEFAULTS, QUICK)
 
 
 def arm_list(args) -> list[str]:

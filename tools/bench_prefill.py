@@ -81,7 +81,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from ple_tools.figures import add_json_option, run_recorded
+from ple_tools.figures import add_json_option, parse_with_defaults, run_recorded
 
 MiB = 2**20
 # Flash-Next's n-gram hashing (vocab, EOS, 3-grams of 8 heads, seed 1234): PLE layer 0.
@@ -453,13 +453,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     add_json_option(parser)
     parser.add_argument("--quick", action="store_true", help="a small run for CI (see below)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
-    for key, value in (QUICK if args.quick else DEFAULTS).items():
-        if getattr(args, key) is None:
-            setattr(args, key, value)
-    if args.ballast and args.memory_limit is None:
-        parser.error("--ballast needs --memory-limit")
-    return args
+    return parse_with_defaults(parser, argv, DEFAULTS, QUICK)
 
 
 def default_arms(args) -> list[str]:

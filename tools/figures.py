@@ -83,6 +83,22 @@ def add_json_option(parser: argparse.ArgumentParser) -> None:
                         help="also write the run as a JSON document (tools/figures.py)")
 
 
+def parse_with_defaults(parser: argparse.ArgumentParser, argv, defaults: dict, quick: dict
+                        ) -> argparse.Namespace:
+    """``parser.parse_args(argv)`` with the options left unset taken from
+    ``quick`` under ``--quick``, else from ``defaults``; a tool with a memory
+    cap (``--memory-limit``, ``--ballast``) has them checked together."""
+    args = parser.parse_args(argv)
+    for key, value in (quick if args.quick else defaults).items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    if getattr(args, "ballast", 0) and args.memory_limit is None:
+        parser.error("--ballast needs --memory-limit")
+    if getattr(args, "memory_limit", None) is not None and args.ballast >= args.memory_limit:
+        parser.error("--ballast must be less than --memory-limit")
+    return args
+
+
 def run_recorded(args: argparse.Namespace, tool: str, argv: list[str] | None,
                  run: Callable[[], tuple[int, object]]) -> int:
     """Calls ``run()``, which prints its report and returns (exit status,
