@@ -101,6 +101,30 @@ def test_an_arm_past_its_deadline_is_reported_as_timed_out(quick, tokens_file):
     assert "timed out (killed at 0 s): window" in proc.stdout
 
 
+def test_through_a_model_lookahead_gives_the_same_first_token(quick, tokens_file):
+    pytest.importorskip("transformers.models.qwen4_exp", reason="transformers has no Qwen4Exp")
+    _, _, table = quick
+    out = tokens_file.parent / "model.json"
+    proc = run_tool("--table", table, "--tokens", tokens_file, "--tokens-count", 600,
+                    "--chunk", 256, "--shards", 6, "--files", 4, "--model-layers", 3,
+                    "--model-hidden", 64, "--model-experts", 2, "--device", "cpu",
+                    "--json", out)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    doc = json.loads(out.read_text())["results"]
+    arms = {r["arm"]: r for r in doc["arms"]}
+    assert list(arms) == ["compute", "reads", "window", "lookahead"] and doc["sha256_equal"]
+    assert arms["window"]["sha256"] == arms["lookahead"]["sha256"]
+    assert arms["window"]["output"] == "first token" and arms["reads"]["output"] == "rows"
+    assert arms["compute"]["pages"] is None and arms["compute"]["read_bytes"] < 2**20
+    assert arms["window"]["pages"] > 0 and arms["window"]["prefetch_hits"] == 0
+    assert arms["lookahead"]["prefetch_hits"] == 3  # every chunk's rows were read ahead
+    assert len(arms["window"]["per_chunk_s"]) == 3
+    check = doc["goal_check"]
+    assert check["compute_alone_s"] == arms["compute"]["seconds"]
+    assert check["reads_alone_s"] == arms["reads"]["forward_s"]
+    assert check["no_lookahead_s"] == arms["window"]["seconds"]
+
+
 def test_real_text_is_tokenized_with_gpt2s_bpe(tmp_path):
     pytest.importorskip("tiktoken")
     args = bench_prefill.parse_args(["--quick", "--tokens-count", "2000",

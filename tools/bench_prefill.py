@@ -5,6 +5,7 @@ cgroup), each bounded in time.
     ple-bench-prefill [--table DIR] [--ngram-base 20000000] [--shards 128] [--files 32]
                       [--tokens-count 184134] [--chunk 2048] [--text PATH | --tokens PATH]
                       [--ranks PATH] [--caches 512] [--compute-ms N] [--device cpu|cuda]
+                      [--model-layers N [--model-hidden 2048] [--model-experts 64]]
                       [--memory-limit MiB --ballast MiB] [--deadline S] [--arms A,...]
                       [--json PATH] [--quick]
     (or python tools/bench_prefill.py ...)
@@ -26,6 +27,27 @@ Arms (--arms, in this order by default):
   lookahead       the window, with layer.lookahead(prompt, chunk) before the
                   first chunk and end_lookahead() after the last: the rows of
                   the coming chunks are read while the current one computes
+
+--model-layers N runs the arms through a Qwen4Exp-shaped model of N decoder
+layers with random weights (ple_tools.prefill_model: transformers'
+Qwen4ExpForCausalLM, --model-hidden wide, --model-experts experts, in
+bfloat16 on --device) whose PLE layer is the n-gram layer above, its table
+served by ple: each arm is ``model.generate(prompt, prefill_chunk_size=
+--chunk, max_new_tokens=1)``, timed to its first token, as a user of ple's
+transformers integration runs it.  The arms then are:
+
+  compute         compute alone: the model with a small n-gram table of its
+                  own (base 1,000) in device memory, no reads
+  reads           reads alone: the layer's forwards over the chunks, no model
+  window, all, direct, direct-cache:MiB   the model, no lookahead
+                  (lookahead_mib=0)
+  lookahead       the model as loaded by default: generate looks ahead
+                  (lookahead_mib=--lookahead-mib)
+
+The model is built before the arm enters its memory cgroup (its CUDA
+context and weights are not charged to it); the arms through the model must
+give the same first token and logits (their SHA-256), the reads arm the
+same rows as the arms of the layer alone.
 
 Before each arm the table's pages are dropped from the page cache.  Under
 --memory-limit each arm's child runs in a memory cgroup (tools/cgroup.py:
@@ -92,6 +114,7 @@ DEFAULTS = dict(ngram_base=20_000_000, shards=128, files=32, tokens_count=184_13
 QUICK = dict(ngram_base=16_384, shards=8, files=4, tokens_count=8_192, caches="16",
              deadline=120.0, table=Path("data/bench_prefill_quick"))
 WINDOW, LOOKAHEAD = "window", "lookahead"
+COMPUTE, READS = "compute", "reads"  # the arms of compute alone and reads alone (--model-layers)
 
 WHISPER = "openai-whisper==20250625"
 RANKS_MEMBER = "whisper/assets/gpt2.tiktoken"
@@ -209,7 +232,8 @@ def arm_config(arm: str):
     kind, _, value = arm.partition(":")
     if kind == "direct-cache":
         return ple.GatherConfig(io="direct", row_cache_mib=int(value))
-    return {WINDOW: ple.GatherConfig(), LOOKAHEAD: ple.GatherConfig(),
+    return {WINDOW: ple.GatherConfig(), LOOKAHEAD: ple.GatherConfig(), READS: ple.GatherConfig(),
+            COMPUTE: None,
             "all": ple.GatherConfig.from_spec("all"),
             "direct": ple.GatherConfig(io="direct")}[kind]
 
@@ -259,6 +283,67 @@ class BusyCompute:
                 pass
 
 
+def model_of(spec: dict, table_files):
+    """The arm's Qwen4Exp-shaped model: over ``table_files`` (None: the
+    compute arm's own small table)."""
+    import torch
+
+    from ple_tools import prefill_model
+
+    base, files = (spec["ngram_base"], table_files) if table_files else (1000, None)
+    config = prefill_model.flash_next_config(
+        layers=spec["model_layers"], experts=spec["model_experts"], hidden=spec["model_hidden"],
+        hashing=FLASH_NEXT, base=base, shards=spec["shards"])
+    ahead = spec["lookahead_mib"] if spec["arm"] == LOOKAHEAD else 0
+    return prefill_model.build(config, torch.device(spec["device"]), table_files=files,
+                               gather_config=None if files is None else arm_config(spec["arm"]),
+                               lookahead_mib=ahead)
+
+
+def run_model_arm(spec: dict, model, write_line) -> dict:
+    """``generate``s one token after the prompt, prefilled in chunks; writes
+    a line per chunk's forward; returns the arm's record."""
+    import numpy as np
+    import torch
+
+    from ple.integrations.transformers import tables
+    from ple_tools.demo import disk_read_bytes
+
+    table = next(iter(tables(model).values()), None)
+    prompt = torch.from_numpy(np.load(spec["tokens_path"])).view(1, -1).to(spec["device"])
+    marks = []
+
+    def mark_chunk(*_):
+        marks.append(time.perf_counter())
+        if len(marks) > 1:
+            write_line({"chunk": len(marks) - 2, "forward_s": marks[-1] - marks[-2],
+                        "compute_s": 0.0})
+
+    hook = model.register_forward_pre_hook(mark_chunk)
+    before = table.stats() if table else {}
+    read0 = disk_read_bytes()
+    start = time.perf_counter()
+    with torch.no_grad():
+        out = model.generate(prompt, max_new_tokens=1, do_sample=False,
+                             prefill_chunk_size=spec["chunk"], return_dict_in_generate=True,
+                             output_logits=True)
+    if prompt.device.type == "cuda":
+        torch.cuda.synchronize()
+    total = time.perf_counter() - start
+    hook.remove()
+    mark_chunk()  # the last chunk's end (generate's one token comes from its logits)
+    after = table.stats() if table else {}
+    delta = {key: after[key] - before[key] for key in after if isinstance(after[key], int)}
+    digest = hashlib.sha256(out.sequences[0, -1:].cpu().numpy().tobytes())
+    digest.update(out.logits[0].cpu().view(torch.int16).numpy().tobytes())
+    return {"arm": spec["arm"], "seconds": total, "forward_s": total, "compute_s": 0.0,
+            "read_bytes": disk_read_bytes() - read0, "pages": delta.get("unique_pages"),
+            "major_faults": delta.get("major_faults"), "row_cache_hits": delta.get("row_cache_hits"),
+            "prefetch_hits": delta.get("prefetch_hits"), "direct_reads": delta.get("direct_reads"),
+            "io_backend": table.io_backend if table else None, "sha256": digest.hexdigest(),
+            "output": "first token" if table else "first token (own table)"}
+
+
 def run_arm(spec: dict, table, write_line) -> dict:
     """Runs the prompt through the layer, chunk by chunk; writes a line per
     chunk; returns the arm's record."""
@@ -303,7 +388,7 @@ def run_arm(spec: dict, table, write_line) -> dict:
             "read_bytes": disk_read_bytes() - read0, "pages": delta.get("unique_pages"),
             "major_faults": delta.get("major_faults"), "row_cache_hits": delta.get("row_cache_hits"),
             "prefetch_hits": delta.get("prefetch_hits"), "direct_reads": delta.get("direct_reads"),
-            "io_backend": table.io_backend, "sha256": digest.hexdigest()}
+            "io_backend": table.io_backend, "sha256": digest.hexdigest(), "output": "rows"}
 
 
 def child_main(spec_json: str) -> None:
@@ -318,7 +403,14 @@ def child_main(spec_json: str) -> None:
     from ple_tools.table_layout import PAGE
 
     spec = json.loads(spec_json)
-    table = ple.Table.from_safetensors(spec["table"], PREFIX, arm_config(spec["arm"]))
+    through_model = spec["model_layers"] and spec["arm"] != READS
+    if through_model:
+        from ple_tools.table_layout import Layout
+
+        files = None if spec["arm"] == COMPUTE else Layout.open(Path(spec["table"]), PREFIX).paths
+        model = model_of(spec, files)
+    else:
+        table = ple.Table.from_safetensors(spec["table"], PREFIX, arm_config(spec["arm"]))
     group = None
     if spec["cgroup"]:
         group = MemoryCgroup.attach(spec["cgroup"], spec["cgroup_version"], spec["limit"])
@@ -326,8 +418,11 @@ def child_main(spec_json: str) -> None:
         ballast = mmap.mmap(-1, max(spec["ballast"], 1),
                             flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         np.frombuffer(ballast, dtype=np.uint8)[::PAGE] = 1
-    with table:
-        record = run_arm(spec, table, lambda line: write_line(spec, line))
+    if through_model:
+        record = run_model_arm(spec, model, lambda line: write_line(spec, line))
+    else:
+        with table:
+            record = run_arm(spec, table, lambda line: write_line(spec, line))
     if group is not None:
         record["cgroup"] = {"limit_bytes": group.limit, "ballast_bytes": spec["ballast"],
                             "peak": group.peak(), "oom_kills": group.oom_kills()}
@@ -350,7 +445,9 @@ def run_arm_child(args, arm: str, index: int, paths, tokens_path: Path) -> dict:
         spec = {"arm": arm, "table": str(args.table), "tokens_path": str(tokens_path),
                 "ngram_base": args.ngram_base, "chunk": args.chunk,
                 "compute_ms": args.compute_ms, "device": args.device,
-                "lookahead_mib": args.lookahead_mib,
+                "lookahead_mib": args.lookahead_mib, "shards": args.shards,
+                "model_layers": args.model_layers, "model_hidden": args.model_hidden,
+                "model_experts": args.model_experts,
                 "cgroup": str(group.path) if group else None,
                 "cgroup_version": group.version if group else None,
                 "limit": group.limit if group else None, "ballast": args.ballast * MiB}
@@ -379,11 +476,16 @@ def arm_line(r: dict, chunks: int) -> str:
                 f"({r['chunks_done']} of {chunks} chunks, {r['seconds_done']:.1f} s)")
     if "error" in r:
         return f"{r['arm']:<18} FAILED: {r['error']} ({r['chunks_done']} chunks done)"
-    per = sorted(r["per_chunk_s"])
+    per = sorted(r["per_chunk_s"]) or [0.0]
+
+    def count(key: str, width: int) -> str:
+        return f"{'-':>{width}}" if r[key] is None else f"{r[key]:>{width},}"
+
     return (f"{r['arm']:<18} {r['seconds']:>8.2f} {r['forward_s']:>8.2f} {r['compute_s']:>8.2f} "
-            f"{per[len(per) // 2] * 1e3:>9.1f} {per[-1] * 1e3:>9.1f} {r['pages']:>10,} "
-            f"{r['read_bytes'] / MiB:>9.1f} {r['major_faults']:>8,} {r['row_cache_hits']:>10,} "
-            f"{r['prefetch_hits']:>6,}  {r['sha256'][:16]}")
+            f"{per[len(per) // 2] * 1e3:>9.1f} {per[-1] * 1e3:>9.1f} {count('pages', 10)} "
+            f"{r['read_bytes'] / MiB:>9.1f} {count('major_faults', 8)} "
+            f"{count('row_cache_hits', 10)} {count('prefetch_hits', 6)}  "
+            f"{r['sha256'][:16]} {r['output']}")
 
 
 HEADER = (f"{'arm':<18} {'total s':>8} {'reads s':>8} {'compute':>8} {'chunk ms':>9} "
@@ -391,14 +493,18 @@ HEADER = (f"{'arm':<18} {'total s':>8} {'reads s':>8} {'compute':>8} {'chunk ms'
           f"{'pf.hit':>6}  sha256")
 
 
-def goal_check(results: list[dict]) -> dict | None:
+def goal_check(results: list[dict], through_model: bool) -> dict | None:
     """Compute alone, reads alone, lookahead and no lookahead (the window
-    arm), and the goal ratios; None unless both arms finished."""
+    arm), and the goal ratios; None unless the arms they need finished.
+    Through a model compute alone and reads alone are their own arms';
+    otherwise the window arm's compute and forward times."""
     by_arm = {r["arm"]: r for r in results if "sha256" in r}
     window, ahead = by_arm.get(WINDOW), by_arm.get(LOOKAHEAD)
-    if window is None or ahead is None:
+    compute, reads = (by_arm.get(COMPUTE), by_arm.get(READS)) if through_model else (window, window)
+    if None in (window, ahead, compute, reads):
         return None
-    check = {"compute_alone_s": window["compute_s"], "reads_alone_s": window["forward_s"],
+    check = {"compute_alone_s": compute["seconds" if through_model else "compute_s"],
+             "reads_alone_s": reads["forward_s"],
              "no_lookahead_s": window["seconds"], "lookahead_s": ahead["seconds"]}
     check["lookahead_over_no_lookahead"] = check["lookahead_s"] / check["no_lookahead_s"]
     check["lookahead_over_max"] = check["lookahead_s"] / max(check["compute_alone_s"],
@@ -439,6 +545,14 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="the lookahead arm's bound on rows read ahead (default 64)")
     parser.add_argument("--compute-ms", type=float, default=0.0, metavar="N",
                         help="busy compute after each chunk, ms (default 0: none)")
+    parser.add_argument("--model-layers", type=int, default=0, metavar="N",
+                        help="run the arms through a Qwen4Exp-shaped model of N (3 or more) "
+                        "decoder layers, random weights (default 0: the layer alone)")
+    parser.add_argument("--model-hidden", type=int, default=2048,
+                        help="the model's hidden size (default 2048, transformers' default; "
+                        "its heads and MLPs in proportion)")
+    parser.add_argument("--model-experts", type=int, default=64,
+                        help="the model's experts a layer (default 64)")
     parser.add_argument("--device", choices=("cpu", "cuda"),
                         help="where the layer's output and the compute go (default cuda when "
                         "available)")
@@ -459,6 +573,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 def default_arms(args) -> list[str]:
     if args.arms:
         return [a.strip() for a in args.arms.split(",") if a.strip()]
+    if args.model_layers:
+        return [COMPUTE, READS, WINDOW, LOOKAHEAD]
     return ([WINDOW, "all", "direct"]
             + [f"direct-cache:{int(m)}" for m in args.caches.split(",") if m.strip()]
             + [LOOKAHEAD])
@@ -489,6 +605,13 @@ def run(args) -> tuple[int, dict | None]:
         except (KeyError, ValueError):
             print(f"error: unknown arm {arm!r}", file=sys.stderr)
             return 2, None
+    if args.model_layers and args.model_layers < 3:
+        print("error: --model-layers must be 3 or more (the PLE layer is decoder layer 2, "
+              "and a full-attention layer must follow)", file=sys.stderr)
+        return 2, None
+    if not args.model_layers and COMPUTE in arms:
+        print("error: the compute arm needs --model-layers", file=sys.stderr)
+        return 2, None
     if LOOKAHEAD in arms and not lookahead_available():
         print("lookahead: not available (this ple's NGramEmbedding has no lookahead()); "
               "the arm is left out", file=sys.stderr)
@@ -518,8 +641,12 @@ def run(args) -> tuple[int, dict | None]:
              f"{len(row_ids):,} row reads on {prompt_pages:,} distinct pages; table "
              f"{layout.num_rows:,} rows of 160 B in {len(layout.shard_rows)} shards over "
              f"{len(layout.paths)} files ({layout.num_rows * 160 / 1e9:.1f} GB, ready in "
-             f"{table_s:.0f} s); device {args.device}; compute {args.compute_ms:g} ms a chunk; "
-             f"pages dropped before each arm; deadline {args.deadline:.0f} s an arm")
+             f"{table_s:.0f} s); device {args.device}; "
+             + (f"through a Qwen4Exp-shaped model ({args.model_layers} layers, hidden "
+                f"{args.model_hidden}, {args.model_experts} experts, bf16, random weights): "
+                f"time to the first token; " if args.model_layers else
+                f"compute {args.compute_ms:g} ms a chunk; ")
+             + f"pages dropped before each arm; deadline {args.deadline:.0f} s an arm")
     if args.memory_limit is not None:
         setup += (f"; each arm in a memory cgroup of memory.high {args.memory_limit} MiB (+ its "
                   f"row cache) with {args.ballast} MiB of touched ballast")
@@ -538,17 +665,24 @@ def run(args) -> tuple[int, dict | None]:
     print("-" * len(HEADER))
     for r in results:
         print(arm_line(r, chunks))
-    digests = {r["sha256"] for r in results if "sha256" in r}
+    # The compute arm's own table gives other outputs: it is compared with no arm.
+    outputs = {}
+    for r in results:
+        if "sha256" in r and r["arm"] != COMPUTE:
+            outputs.setdefault(r["output"], set()).add(r["sha256"])
+    differ = [output for output, digests in outputs.items() if len(digests) > 1]
     failed = [r["arm"] for r in results if "error" in r]
     timed_out = [r["arm"] for r in results if r.get("timed_out")]
     print()
-    if len(digests) == 1:
-        print(f"every finished arm gave the same rows (sha256 {next(iter(digests))})")
-    elif digests:
-        print("FAIL: the arms gave different rows")
+    for output, digests in outputs.items():
+        if len(digests) == 1:
+            print(f"every finished arm gave the same {output} (sha256 {next(iter(digests))})")
+        else:
+            print(f"FAIL: the arms gave different {output}s")
     if timed_out:
         print(f"timed out (killed at {args.deadline:.0f} s): {', '.join(timed_out)}")
-    check = goal_check(results) if args.compute_ms > 0 else None
+    check = (goal_check(results, bool(args.model_layers))
+             if args.compute_ms > 0 or args.model_layers else None)
     if check:
         print(f"compute alone {check['compute_alone_s']:.2f} s, reads alone "
               f"{check['reads_alone_s']:.2f} s, no lookahead {check['no_lookahead_s']:.2f} s, "
@@ -559,9 +693,9 @@ def run(args) -> tuple[int, dict | None]:
                 "row_reads": len(row_ids), "chunks": chunks, "table_seconds": table_s,
                 "table": {"num_rows": layout.num_rows, "shard_rows": layout.shard_rows,
                           "files": [str(p) for p in layout.paths]},
-                "arms": results, "sha256_equal": len(digests) <= 1, "failed_arms": failed,
+                "arms": results, "sha256_equal": not differ, "failed_arms": failed,
                 "timed_out_arms": timed_out, "goal_check": check}
-    return (1 if failed or len(digests) > 1 else 0), document
+    return (1 if failed or differ else 0), document
 
 
 if __name__ == "__main__":
