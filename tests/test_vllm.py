@@ -4,7 +4,9 @@ in the checkpoint's files, against the same model with the table in memory
 (every logprob to the bit), against transformers (the tokens), eager and
 under vLLM's torch.compile, with the engine in-process and in its own
 process; the table's bytes never read at load; a warm vLLM compile cache in
-a second process whose tables open in another order.
+a second process whose tables open in another order.  The multimodal Gemma 3n
+too, with text prompts and its vision tower stubbed (see
+``without_vision_tower``).
 
 vLLM runs in subprocesses with a timeout (one process runs several engines:
 vLLM's start-up is most of the cost).  Needs vLLM (``make test-vllm``);
@@ -18,6 +20,7 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
@@ -27,12 +30,19 @@ transformers = pytest.importorskip("transformers")
 
 from safetensors import safe_open  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
-from transformers import Gemma3nForCausalLM, Gemma3nTextConfig  # noqa: E402
+from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers  # noqa: E402
+from transformers import (AutoModel, Gemma3nAudioFeatureExtractor, Gemma3nConfig,  # noqa: E402
+                          Gemma3nForCausalLM, Gemma3nForConditionalGeneration, Gemma3nProcessor,
+                          Gemma3nTextConfig, Gemma3nVisionConfig, PreTrainedTokenizerFast,
+                          SiglipImageProcessorPil)
+from transformers.models.gemma3n import modeling_gemma3n  # noqa: E402
 
 from helpers import PAGE, REPO, resident_pages  # noqa: E402
 
 TIMEOUT_S = 420
 TABLE = "model.embed_tokens_per_layer.weight"
+# The published multimodal checkpoints' name of the table.
+MULTIMODAL_TABLE = "model.language_model.embed_tokens_per_layer.weight"
 OTHERS_FILE = "model-00001-of-00002.safetensors"
 TABLE_FILE = "model-00002-of-00002.safetensors"
 # A tiny Gemma 3n whose per-layer table is 1024 x 64 float32 (256 KiB, 64
@@ -45,6 +55,28 @@ GEMMA_CONFIG = dict(
     laurel_rank=8, sliding_window=16, layer_types=["sliding_attention", "full_attention"] * 2,
     activation_sparsity_pattern=[0.0] * 4, altup_num_inputs=2, max_position_embeddings=128,
     tie_word_embeddings=True)
+# The multimodal Gemma 3n over the same text model, with towers as small as
+# their configs allow (the vision tower is never built: without_vision_tower).
+MULTIMODAL_CONFIG = dict(
+    text_config=GEMMA_CONFIG, vision_config=dict(hidden_size=32),
+    audio_config=dict(hidden_size=32, input_feat_size=16, conf_num_attention_heads=2,
+                      conf_num_hidden_layers=1, sscp_conv_channel_size=(8, 4)))
+# The tokens of Gemma 3n's processor that vLLM's multimodal processor looks
+# up (its multimodal tokens and the newlines it merges), the last ids of the
+# tiny vocabulary.
+PROCESSOR_TOKENS = {"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>",
+                    "image_token": "<image_soft_token>", "boa_token": "<start_of_audio>",
+                    "eoa_token": "<end_of_audio>", "audio_token": "<audio_soft_token>"}
+NEWLINES = ["\n", "\n\n", "\n\n\n", "\n\n\n\n"]
+# vLLM treats a multimodal model that may take no image nor audio as a text
+# model, and vLLM 0.32's Gemma 3n multimodal forward then raises ("inputs_embeds
+# is required on the first PP rank"): the engines may take an audio clip (and
+# no image), which runs the text prompts through embed_input_ids.  No profile
+# run of a dummy clip: vLLM pads its audio soft tokens with the vocabulary's
+# last id as an audio token, which the published vocabulary ends with and the
+# tiny one (whose ids are all text, as transformers reads them) has not.
+MULTIMODAL_LLM = {"skip_tokenizer_init": False, "limit_mm_per_prompt": {"image": 0, "audio": 1},
+                  "skip_mm_profiling": True}
 PROMPTS = [[5, 17, 99, 3, 1000, 45, 700, 12], [7, 8, 9], [300, 301, 302, 303, 2]]
 MAX_TOKENS = 6
 LOGPROBS = 3
@@ -74,6 +106,10 @@ def main():
     spec = json.loads(sys.argv[1])
     sys.path.insert(0, spec["tests"])
     from helpers import resident_pages
+    if spec["without_vision_tower"]:
+        from test_vllm import without_vision_tower
+        from vllm.model_executor.models import gemma3n_mm
+        without_vision_tower(gemma3n_mm).start()
     from vllm import LLM, SamplingParams
     from torch._dynamo.utils import counters
     import ple
@@ -93,9 +129,10 @@ def main():
             gc.collect()
             for name in spec["files"]:
                 drop_pages(os.path.join(model, name))
-        llm = LLM(model=model, skip_tokenizer_init=True, dtype="float32", seed=0,
-                  max_model_len=128, max_num_seqs=4, gpu_memory_utilization=0.1,
-                  enforce_eager=arm["eager"], **arm.get("llm", {}))
+        options = {"skip_tokenizer_init": True, "dtype": "float32", "seed": 0,
+                   "max_model_len": 128, "max_num_seqs": 4, "gpu_memory_utilization": 0.1,
+                   "enforce_eager": arm["eager"], **arm.get("llm", {})}
+        llm = LLM(model=model, **options)
         resident = resident_pages(os.path.join(model, spec["table_file"]))
         outputs = llm.generate([{"prompt_token_ids": p} for p in spec["prompts"]],
                                SamplingParams(max_tokens=spec["max_tokens"], temperature=0,
@@ -116,41 +153,94 @@ def main():
 """
 
 
+def without_vision_tower(module):
+    """A patch (a context manager, or ``.start()``) of ``module``'s AutoModel
+    (transformers' or vLLM's Gemma 3n modeling module) that builds Gemma 3n's
+    vision tower as an empty module: transformers builds it with timm, which
+    imports torchvision, and no torchvision loads beside torch 2.13's CPU
+    build (docs/vllm.md).  Text prompts never run it; vLLM, asked for no
+    image, keeps it unloaded on the meta device."""
+
+    class AutoModelWithoutVision:
+        @staticmethod
+        def from_config(config, **kwargs):
+            if isinstance(config, Gemma3nVisionConfig):
+                return torch.nn.Module()
+            return AutoModel.from_config(config, **kwargs)
+
+    return mock.patch.object(module, "AutoModel", AutoModelWithoutVision)
+
+
 def write_checkpoint(directory: Path, seed: int = 0) -> Path:
-    """A tiny random Gemma 3n saved by transformers, re-saved as two files
-    and an index, as the published checkpoints are sharded: the table alone
+    """A tiny random Gemma 3n (see save_sharded)."""
+    torch.manual_seed(seed)
+    model = Gemma3nForCausalLM(Gemma3nTextConfig(**GEMMA_CONFIG)).eval()
+    return save_sharded(model, model.model, TABLE, directory)
+
+
+def write_multimodal_checkpoint(directory: Path) -> Path:
+    """A tiny random multimodal Gemma 3n in the published layout (the table
+    is MULTIMODAL_TABLE), without its vision tower's weights, and a processor
+    for it (vLLM's multimodal processor needs a tokenizer): a word-level
+    tokenizer of the ids, whose last ids are PROCESSOR_TOKENS and NEWLINES."""
+    torch.manual_seed(0)
+    with without_vision_tower(modeling_gemma3n):
+        model = Gemma3nForConditionalGeneration(Gemma3nConfig(**MULTIMODAL_CONFIG)).eval()
+    save_sharded(model, model.model.language_model, MULTIMODAL_TABLE, directory)
+    tokens = [*PROCESSOR_TOKENS.values(), *NEWLINES]
+    first = GEMMA_CONFIG["vocab_size"] - len(tokens)
+    vocabulary = {**{f"t{i}": i for i in range(first)},
+                  **{token: first + i for i, token in enumerate(tokens)}}
+    words = Tokenizer(models.WordLevel(vocabulary, unk_token="t0"))
+    words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    words.add_tokens([AddedToken(newline, normalized=False) for newline in NEWLINES])
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=words, unk_token="t0", pad_token="t0",
+                                        extra_special_tokens=PROCESSOR_TOKENS)
+    # Its mel bins are the audio tower's input.
+    features = Gemma3nAudioFeatureExtractor(feature_size=MULTIMODAL_CONFIG["audio_config"]["input_feat_size"])
+    Gemma3nProcessor(features,
+                     SiglipImageProcessorPil(size={"height": 32, "width": 32}),
+                     tokenizer).save_pretrained(directory)
+    return directory
+
+
+def save_sharded(model, text_model, table_name: str, directory: Path) -> Path:
+    """``model`` saved by transformers, re-saved as two files and an index,
+    as the published checkpoints are sharded: the table ``table_name`` alone
     in TABLE_FILE (a small file shared with other tensors is read whole by
     the kernel's readahead around their pages), flushed to the disk (so that
     their pages can be dropped)."""
-    torch.manual_seed(seed)
-    model = Gemma3nForCausalLM(Gemma3nTextConfig(**GEMMA_CONFIG)).eval()
     # Initialized to zero, this scale multiplies the per-layer inputs' whole
     # contribution: the logits would not depend on the table.
-    for layer in model.model.layers:
+    for layer in text_model.layers:
         torch.nn.init.normal_(layer.altup.correct_output_scale)
     model.save_pretrained(directory)
     single = directory / "model.safetensors"
     with safe_open(single, "pt") as f:
         weights = {key: f.get_tensor(key) for key in f.keys()}  # noqa: SIM118
     single.unlink()
-    table = {TABLE: weights.pop(TABLE)}
+    table = {table_name: weights.pop(table_name)}
     for name, part in ((OTHERS_FILE, weights), (TABLE_FILE, table)):
         save_file(part, str(directory / name), metadata={"format": "pt"})
         fd = os.open(directory / name, os.O_RDONLY)
         os.fsync(fd)
         os.close(fd)
-    weight_map = {**dict.fromkeys(weights, OTHERS_FILE), TABLE: TABLE_FILE}
+    weight_map = {**dict.fromkeys(weights, OTHERS_FILE), table_name: TABLE_FILE}
     (directory / "model.safetensors.index.json").write_text(
         json.dumps({"metadata": {}, "weight_map": weight_map}))
     return directory
 
 
 def run_session(model: Path, arms: list[dict], *, engine_in_process: bool,
-                env: dict | None = None, cwd: Path | None = None) -> tuple[dict, str]:
-    """Runs the arms in one new interpreter; ({arm name: result}, its log)."""
+                env: dict | None = None, cwd: Path | None = None,
+                without_vision_tower: bool = False) -> tuple[dict, str]:
+    """Runs the arms in one new interpreter; ({arm name: result}, its log).
+    ``without_vision_tower``: vLLM builds Gemma 3n's vision tower empty (see
+    the function of that name; the engine must be in-process)."""
     spec = {"model": str(model), "arms": arms, "prompts": PROMPTS, "max_tokens": MAX_TOKENS,
             "logprobs": LOGPROBS, "files": [OTHERS_FILE, TABLE_FILE], "table_file": TABLE_FILE,
-            "tests": str(REPO / "tests"), "engine_in_process": engine_in_process}
+            "tests": str(REPO / "tests"), "engine_in_process": engine_in_process,
+            "without_vision_tower": without_vision_tower}
     environment = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0" if engine_in_process else "1",
                    # apply_model sends a function to the engine's process
                    "VLLM_ALLOW_INSECURE_SERIALIZATION": "1", **(env or {})}
@@ -190,9 +280,9 @@ def max_logprob_difference(a: dict, b: dict) -> float:
                for x, y in zip(steps_a, steps_b) for token in x.keys() & y.keys())
 
 
-def transformers_tokens(model: Path) -> list[list[int]]:
-    """Greedy tokens of transformers' Gemma3nForCausalLM over the checkpoint."""
-    reference = Gemma3nForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+def transformers_tokens(model: Path, model_class=Gemma3nForCausalLM) -> list[list[int]]:
+    """Greedy tokens of transformers' ``model_class`` over the checkpoint."""
+    reference = model_class.from_pretrained(model, dtype=torch.float32).eval()
     tokens = []
     with torch.no_grad():
         for prompt in PROMPTS:
@@ -235,18 +325,26 @@ def compile_caches(directory: Path) -> dict[str, str]:
             "TORCHINDUCTOR_CACHE_DIR": str(directory / "inductor-cache")}
 
 
-def test_offloaded_gemma_equals_the_in_memory_model_eager_and_compiled(in_process):
-    results, log = in_process
+def assert_offloaded_equals_in_memory(results: dict, log: str, module: str, tensor: str) -> None:
+    """The offloaded arms ("eager-load-ple", "compiled-ple") give the
+    outputs of the in-memory ones, the rows of ``module`` gathered by ple
+    from the table ``tensor``, which the log line names."""
     assert_same_outputs(results["eager-load-ple"], results["eager-in-memory"])
     assert_same_outputs(results["compiled-ple"], results["compiled-in-memory"])
     assert results["compiled-ple"]["tokens"] == results["eager-load-ple"]["tokens"]
     for name in ("eager-load-ple", "compiled-ple"):
         (table,) = results[name]["tables"].values()
         assert table["rows"] > 0  # the rows came through ple
+        assert list(results[name]["tables"]) == [module]
     assert results["eager-in-memory"]["tables"] == {}
-    assert "ple: model.self_decoder.embed_tokens_per_layer <- " \
-           "model.embed_tokens_per_layer.weight (1024 x 64 f32 in model-00002-of-00002.safetensors) served " \
+    assert f"ple: {module} <- {tensor} (1024 x 64 f32 in model-00002-of-00002.safetensors) served " \
            "from the checkpoint's files: 0.25 MiB of memory saved" in log
+
+
+def test_offloaded_gemma_equals_the_in_memory_model_eager_and_compiled(in_process):
+    results, log = in_process
+    assert_offloaded_equals_in_memory(results, log, "model.self_decoder.embed_tokens_per_layer",
+                                      TABLE)
     assert "ple's computes them from embed_tokens_per_layer as transformers does" in log
 
 
@@ -341,3 +439,49 @@ def test_a_warm_compile_cache_in_a_process_whose_tables_open_in_another_order(tm
     # within the last bits of the first engine's (see in_process).
     assert third["tokens"] == first["tokens"]
     assert max_logprob_difference(first, third) < 1e-5
+
+
+@pytest.fixture(scope="module")
+def multimodal(tmp_path_factory) -> tuple[Path, dict, str]:
+    """The multimodal Gemma 3n's engines in-process, text prompts: eager,
+    the table in memory, then offloaded with vLLM's whole-file load strategy
+    (the table's pages dropped first); compiled (after a first compiled
+    engine, see in_process), in memory and offloaded."""
+    directory = tmp_path_factory.mktemp("gemma3n-multimodal")
+    model = write_multimodal_checkpoint(directory / "model")
+    eager_load = {**MULTIMODAL_LLM, "safetensors_load_strategy": "eager"}
+    arms = [arm("eager-in-memory", "none", eager=True, llm=MULTIMODAL_LLM),
+            arm("eager-load-ple", "auto", eager=True, drop_pages=True, llm=eager_load),
+            arm("compiled-first", "none", eager=False, llm=MULTIMODAL_LLM),
+            arm("compiled-in-memory", "none", eager=False, llm=MULTIMODAL_LLM),
+            arm("compiled-ple", "auto", eager=False, llm=MULTIMODAL_LLM)]
+    results, log = run_session(model, arms, engine_in_process=True, env=compile_caches(directory),
+                               without_vision_tower=True)
+    return model, results, log
+
+
+def test_offloaded_multimodal_gemma_equals_the_in_memory_model_eager_and_compiled(multimodal):
+    """The multimodal class computes the per-layer inputs itself, in
+    embed_input_ids (eagerly, outside the compiled graph), through ple's
+    table."""
+    _, results, log = multimodal
+    assert_offloaded_equals_in_memory(results, log,
+                                      "language_model.model.self_decoder.embed_tokens_per_layer",
+                                      MULTIMODAL_TABLE)
+    assert "ple's computes them" not in log  # said of the text-only class only
+
+
+def test_offloaded_multimodal_gemma_gives_transformers_tokens(multimodal):
+    model, results, _ = multimodal
+    with without_vision_tower(modeling_gemma3n):
+        expected = transformers_tokens(model, Gemma3nForConditionalGeneration)
+    assert results["compiled-ple"]["tokens"] == expected
+
+
+def test_the_multimodal_table_is_never_read_at_load(multimodal):
+    """Offloaded with vLLM's eager (whole-file) strategy: the header's read
+    and the kernel's readahead around it, not the table's 64 pages."""
+    model, results, log = multimodal
+    pages = -(-(model / TABLE_FILE).stat().st_size // PAGE)
+    assert results["eager-load-ple"]["resident_table_pages"] <= 8 < pages
+    assert "loading with 'lazy' instead" in log
