@@ -56,7 +56,7 @@ GEMMA_CONFIG = dict(
     activation_sparsity_pattern=[0.0] * 4, altup_num_inputs=2, max_position_embeddings=128,
     tie_word_embeddings=True)
 # The multimodal Gemma 3n over the same text model, with towers as small as
-# their configs allow (the vision tower is never built: without_vision_tower).
+# their configs allow (no vision tower is built: without_vision_tower).
 MULTIMODAL_CONFIG = dict(
     text_config=GEMMA_CONFIG, vision_config=dict(hidden_size=32),
     audio_config=dict(hidden_size=32, input_feat_size=16, conf_num_attention_heads=2,
@@ -196,9 +196,8 @@ def write_multimodal_checkpoint(directory: Path) -> Path:
     words.add_tokens([AddedToken(newline, normalized=False) for newline in NEWLINES])
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=words, unk_token="t0", pad_token="t0",
                                         extra_special_tokens=PROCESSOR_TOKENS)
-    # Its mel bins are the audio tower's input.
-    features = Gemma3nAudioFeatureExtractor(feature_size=MULTIMODAL_CONFIG["audio_config"]["input_feat_size"])
-    Gemma3nProcessor(features,
+    mel_bins = MULTIMODAL_CONFIG["audio_config"]["input_feat_size"]  # the audio tower's input
+    Gemma3nProcessor(Gemma3nAudioFeatureExtractor(feature_size=mel_bins),
                      SiglipImageProcessorPil(size={"height": 32, "width": 32}),
                      tokenizer).save_pretrained(directory)
     return directory
@@ -337,8 +336,8 @@ def assert_offloaded_equals_in_memory(results: dict, log: str, module: str, tens
         assert table["rows"] > 0  # the rows came through ple
         assert list(results[name]["tables"]) == [module]
     assert results["eager-in-memory"]["tables"] == {}
-    assert f"ple: {module} <- {tensor} (1024 x 64 f32 in model-00002-of-00002.safetensors) served " \
-           "from the checkpoint's files: 0.25 MiB of memory saved" in log
+    assert f"ple: {module} <- {tensor} (1024 x 64 f32 in {TABLE_FILE}) served from the " \
+           "checkpoint's files: 0.25 MiB of memory saved" in log
 
 
 def test_offloaded_gemma_equals_the_in_memory_model_eager_and_compiled(in_process):
