@@ -21,7 +21,9 @@ def test_unset_the_plugin_does_nothing():
 @pytest.mark.parametrize("value, offload", [
     ("auto", "auto"), ("none", ()),
     ("model.self_decoder.embed_tokens_per_layer, language_model.model.x",
-     ("model.self_decoder.embed_tokens_per_layer", "language_model.model.x"))])
+     ("model.self_decoder.embed_tokens_per_layer", "language_model.model.x")),
+    ("model.layers.1.ple.ple_embedding.ngram_embedding",
+     ("model.layers.1.ple.ple_embedding.ngram_embedding",))])
 def test_offload(value, offload):
     assert settings({"PLE_OFFLOAD": value}).offload == offload
 

@@ -13,11 +13,12 @@ changes nothing until asked:
 - unset or empty: the plugin does nothing, vLLM's own classes serve;
 - ``auto``: the tables ple is made for are served from the checkpoint's
   files, as the transformers integration's ``offload="auto"`` does: Gemma 3n's
-  ``embed_tokens_per_layer`` (the text-only and the multimodal class);
+  ``embed_tokens_per_layer`` (the text-only and the multimodal class) and
+  Qwen4Exp's n-gram tables (``ple.integrations.vllm.qwen4_exp``);
 - a comma-separated list of module names of the served model, as vLLM names
-  them (``model.self_decoder.embed_tokens_per_layer``;
-  ``language_model.model.self_decoder.embed_tokens_per_layer`` in the
-  multimodal class): those modules only;
+  them (``model.self_decoder.embed_tokens_per_layer``,
+  ``model.layers.1.ple.ple_embedding.ngram_embedding``; with
+  ``language_model.`` in front in the multimodal classes): those modules only;
 - ``none``: ple's classes serve with every table in memory (the text-only
   Gemma 3n's per-layer inputs mended, see ``ple.integrations.vllm.gemma3n``):
   the baseline to compare an offloaded model with.
@@ -62,6 +63,9 @@ CONFIG_KEYS = ("offload", "gather", *TIER_ENVS)
 # The architectures whose vLLM classes ple's replace, and where ple's live.
 ARCHITECTURES = {
     "Gemma3nForCausalLM": "ple.integrations.vllm.gemma3n:Gemma3nForCausalLM",
+    "Qwen4ExpForCausalLM": "ple.integrations.vllm.qwen4_exp_models:Qwen4ExpForCausalLM",
+    "Qwen4ExpForConditionalGeneration":
+        "ple.integrations.vllm.qwen4_exp_models:Qwen4ExpForConditionalGeneration",
 }
 
 
@@ -173,7 +177,8 @@ def register() -> None:
     """The plugin's entry point (``vllm.general_plugins``): vLLM calls it in
     each of its processes.  With the plugin asked for, replaces vLLM's
     classes of the architectures ple serves with ple's (the multimodal Gemma
-    3n builds its text model through the same registry entry)."""
+    3n builds its text model through the same registry entry; Qwen4Exp's
+    multimodal class does not, so ple registers its own)."""
     asked = settings()
     if not asked.active:
         return

@@ -57,13 +57,20 @@ def open_embedding(name: str, files: list[Path], tensor: str, shape: tuple[int, 
                              f"{table.num_rows} rows of {table.cols}")
         device = torch.device(vllm_config.device_config.device)
         module = DiskEmbedding(table, vllm_config.model_config.dtype, device=device)
-        if asked.host_rows or asked.device_rows:
-            module.place(device_rows=asked.device_rows, host_rows=asked.host_rows,
-                         device=device if device.type == "cuda" else None)
+        place_tiers(module, vllm_config, asked)
     except BaseException:
         table.close()
         raise
     return module
+
+
+def place_tiers(module, vllm_config, asked: Settings) -> None:
+    """Keeps the first rows of ``module`` (a ple layer with ``place``) in the
+    tiers the plugin's settings ask for: device rows on the model's GPU."""
+    if asked.host_rows or asked.device_rows:
+        device = torch.device(vllm_config.device_config.device)
+        module.place(device_rows=asked.device_rows, host_rows=asked.host_rows,
+                     device=device if device.type == "cuda" else None)
 
 
 def keep_loading_lazy(load_config) -> None:
@@ -111,15 +118,22 @@ def key_compile_cache(vllm_config, tables: dict[str, Table]) -> None:
     extra[COMPILE_CACHE_KEY] = {name: table.handle for name, table in sorted(tables.items())}
 
 
-def report(served: dict[str, tuple[DiskEmbedding, str]], in_memory_bytes: dict[str, int]) -> None:
+def report(served: dict[str, tuple[torch.nn.Module, str]], in_memory_bytes: dict[str, int]) -> None:
     """One log line per table served: the module, its tensor and files, and
     the memory the module's parameter would have held."""
     for name, (module, tensor) in served.items():
         table = module.table
-        files = ", ".join(Path(p).name for p in dict.fromkeys(table.paths))
+        files = _files(table.paths)
         logger.info("ple: %s <- %s (%d x %d %s in %s) served from the checkpoint's files: "
                     "%s of memory saved", name, tensor, table.num_rows, table.cols,
                     table.format, files, _size(in_memory_bytes[name]))
+
+
+def _files(paths) -> str:
+    """The names of a table's files, or their count and the first and last
+    (a published n-gram table spans 128 files)."""
+    names = [Path(p).name for p in dict.fromkeys(paths)]
+    return ", ".join(names) if len(names) <= 3 else f"{len(names)} files, {names[0]} ... {names[-1]}"
 
 
 def _size(nbytes: int) -> str:
