@@ -1,5 +1,6 @@
 """The vLLM plugin's settings (ple.integrations.vllm.settings): PLE_OFFLOAD,
-PLE_GATHER_*, the tiers and the PLE_CONFIG file, and their errors.  Needs no
+PLE_GATHER_*, the tiers, PLE_LOOKAHEAD_MIB and the PLE_CONFIG file, and
+their errors.  Needs no
 vLLM; the entry point is in ple's metadata."""
 
 from __future__ import annotations
@@ -52,10 +53,36 @@ def test_the_environment_wins_over_the_file(tmp_path):
     ({"PLE_GATHER_POLICY": "fast"}, r"unknown prefetch policy 'fast'"),
     ({"PLE_HOST_ROWS": "-1"}, r"PLE_HOST_ROWS must be a count of rows .* not '-1'"),
     ({"PLE_OFFLOAD": " , "}, r"PLE_OFFLOAD=\[' ', ' '\] names no module"),
+    ({"PLE_LOOKAHEAD_MIB": "lots"}, r"PLE_LOOKAHEAD_MIB must be MiB of rows read ahead, an "
+                                    r"integer in \[0, 256\] \(0: no lookahead\), not 'lots'"),
+    ({"PLE_LOOKAHEAD_MIB": "257"}, r"PLE_LOOKAHEAD_MIB must be .* not '257'"),
+    ({"PLE_LOOKAHEAD_MIB": "-1"}, r"PLE_LOOKAHEAD_MIB must be .* not '-1'"),
 ])
 def test_bad_settings_name_what_is_wrong(environ, message):
     with pytest.raises(ValueError, match=message):
         settings(environ)
+
+
+def test_lookahead_is_64_mib_unless_set():
+    assert settings({}).lookahead_mib == 64
+    assert settings({"PLE_LOOKAHEAD_MIB": "0"}).lookahead_mib == 0
+    assert settings({"PLE_LOOKAHEAD_MIB": "256"}).lookahead_mib == 256
+
+
+def test_lookahead_from_the_file_and_the_environment(tmp_path):
+    path = tmp_path / "ple.json"
+    path.write_text(json.dumps({"offload": "auto", "lookahead_mib": 0}))
+    assert settings({"PLE_CONFIG": str(path)}).lookahead_mib == 0
+    assert settings({"PLE_CONFIG": str(path), "PLE_LOOKAHEAD_MIB": "8"}).lookahead_mib == 8
+
+
+@pytest.mark.parametrize("value", [1.5, True, -1, 300])
+def test_a_bad_lookahead_in_the_file_is_named(tmp_path, value):
+    path = tmp_path / "ple.json"
+    path.write_text(json.dumps({"lookahead_mib": value}))
+    with pytest.raises(ValueError, match=r"'lookahead_mib' of .*ple.json must be MiB of rows "
+                                         r"read ahead, an integer in \[0, 256\]"):
+        settings({"PLE_CONFIG": str(path)})
 
 
 @pytest.mark.parametrize("content, message", [

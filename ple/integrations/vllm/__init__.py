@@ -31,14 +31,17 @@ The tables' gather and tiers (each offloaded table the same):
 - ``PLE_HOST_ROWS``, ``PLE_DEVICE_ROWS``: rows kept in host and device
   memory (``Table.place``: the first ``PLE_DEVICE_ROWS`` rows on the model's
   GPU, the next ``PLE_HOST_ROWS`` in host memory);
+- ``PLE_LOOKAHEAD_MIB``: in a chunked prefill, the rows of a request's
+  next chunks are read while its current chunk computes, at most this many
+  MiB of rows ahead per table (default 64, 0: off;
+  ``ple.integrations.vllm.lookahead``);
 - ``PLE_CONFIG``: a JSON file with the same settings, ``{"offload": "auto" or
-  [names], "gather": {field: value}, "host_rows": n, "device_rows": n}``; the
-  environment variables win over it.
+  [names], "gather": {field: value}, "host_rows": n, "device_rows": n,
+  "lookahead_mib": n}``; the environment variables win over it.
 
 A bad setting raises ``ValueError`` when vLLM loads its plugins, before any
 model is built: vLLM does not start, rather than serve the tables from
-memory.  Lookahead (reading the next prefill chunks' rows ahead) is not
-available under vLLM: docs/vllm.md says why.
+memory.
 """
 
 from __future__ import annotations
@@ -50,6 +53,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ple.config import FIELDS, GatherConfig
+from ple.layers.lookahead import DEFAULT_MAX_BYTES as DEFAULT_LOOKAHEAD_BYTES
+from ple.layers.lookahead import MOST_BYTES as MOST_LOOKAHEAD_BYTES
 
 logger = logging.getLogger(__name__)
 
@@ -59,7 +64,8 @@ OFFLOAD_ENV = "PLE_OFFLOAD"
 CONFIG_ENV = "PLE_CONFIG"
 GATHER_ENV_PREFIX = "PLE_GATHER_"
 TIER_ENVS = {"host_rows": "PLE_HOST_ROWS", "device_rows": "PLE_DEVICE_ROWS"}
-CONFIG_KEYS = ("offload", "gather", *TIER_ENVS)
+LOOKAHEAD_ENV = "PLE_LOOKAHEAD_MIB"
+CONFIG_KEYS = ("offload", "gather", *TIER_ENVS, "lookahead_mib")
 # The architectures whose vLLM classes ple's replace, and where ple's live.
 ARCHITECTURES = {
     "Gemma3nForCausalLM": "ple.integrations.vllm.gemma3n:Gemma3nForCausalLM",
@@ -73,11 +79,13 @@ ARCHITECTURES = {
 class Settings:
     """What the plugin was asked to do.  ``offload``: None (nothing),
     ``"auto"``, or module names (an empty tuple: ple's classes, every table
-    in memory)."""
+    in memory).  ``lookahead_mib``: the rows read ahead of a chunked
+    prefill, per table (0: none)."""
     offload: str | tuple[str, ...] | None = None
     gather: GatherConfig | None = None
     host_rows: int = 0
     device_rows: int = 0
+    lookahead_mib: int = DEFAULT_LOOKAHEAD_BYTES >> 20
 
     @property
     def active(self) -> bool:
@@ -108,13 +116,16 @@ def settings(environ: dict[str, str] | None = None) -> Settings:
         raw = environ.get(variable) or values.get(key)
         tiers[key] = 0 if raw is None else _row_count(raw, variable if environ.get(variable)
                                                       else f"{key!r} of {path}")
+    raw = environ.get(LOOKAHEAD_ENV) or values.get("lookahead_mib")
+    lookahead_mib = (DEFAULT_LOOKAHEAD_BYTES >> 20 if raw is None else _lookahead_mib(
+        raw, LOOKAHEAD_ENV if environ.get(LOOKAHEAD_ENV) else f"'lookahead_mib' of {path}"))
     offload = environ.get(OFFLOAD_ENV) or values.get("offload")
     try:
         config = GatherConfig(**gather) if gather else None
     except (TypeError, ValueError) as error:
         raise ValueError(f"ple: bad gather setting ({GATHER_ENV_PREFIX}* or 'gather' of "
                          f"{CONFIG_ENV}): {error}") from None
-    return Settings(_offload(offload), config, **tiers)
+    return Settings(_offload(offload), config, **tiers, lookahead_mib=lookahead_mib)
 
 
 def _read_config_file(path: Path) -> dict:
@@ -156,6 +167,18 @@ def _row_count(raw, where: str) -> int:
     return rows
 
 
+def _lookahead_mib(raw, where: str) -> int:
+    most = MOST_LOOKAHEAD_BYTES >> 20  # what a table's prefetches hold at most
+    try:
+        mib = int(raw)
+    except (TypeError, ValueError):
+        mib = -1
+    if not 0 <= mib <= most or isinstance(raw, bool) or isinstance(raw, float):
+        raise ValueError(f"ple: {where} must be MiB of rows read ahead, an integer in "
+                         f"[0, {most}] (0: no lookahead), not {raw!r}")
+    return mib
+
+
 def _offload(value) -> str | tuple[str, ...] | None:
     if value is None or value == "":
         return None
@@ -178,7 +201,8 @@ def register() -> None:
     each of its processes.  With the plugin asked for, replaces vLLM's
     classes of the architectures ple serves with ple's (the multimodal Gemma
     3n builds its text model through the same registry entry; Qwen4Exp's
-    multimodal class does not, so ple registers its own)."""
+    multimodal class does not, so ple registers its own), and wraps the
+    workers' ``execute_model`` for lookahead (``ple.integrations.vllm.lookahead``)."""
     asked = settings()
     if not asked.active:
         return
@@ -186,5 +210,10 @@ def register() -> None:
 
     for architecture, target in ARCHITECTURES.items():
         ModelRegistry.register_model(architecture, target)
+    # Each engine's workers read PLE_LOOKAHEAD_MIB at their first step: the
+    # hook is in place whatever this first reading says.
+    from .lookahead import install
+
+    install()
     logger.debug("ple: serving %s through ple (%s=%s)", ", ".join(ARCHITECTURES), OFFLOAD_ENV,
                  asked.offload)

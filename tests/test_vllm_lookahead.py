@@ -1,0 +1,226 @@
+"""Lookahead under vLLM (ple.integrations.vllm.lookahead, docs/vllm.md): the
+tiny Gemma 3n of test_vllm through ``vllm.LLM`` on the CPU, its prompts
+longer than ``max_num_batched_tokens`` so that vLLM prefills them in
+chunks, with ``PLE_LOOKAHEAD_MIB`` on and off: the same bits, and the coming
+chunks' rows taken from prefetches.  Needs vLLM (``make test-vllm``)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from types import SimpleNamespace
+from unittest import mock
+
+import pytest
+import torch
+
+pytest.importorskip("vllm", reason="vLLM is not installed (make test-vllm)")
+pytest.importorskip("transformers")
+
+from helpers import write_arange_table  # noqa: E402
+from test_vllm import TIMEOUT_S, assert_same_outputs, gemma  # noqa: E402, F401
+
+import ple  # noqa: E402
+from ple.integrations.vllm import lookahead  # noqa: E402
+from ple.layers import DiskEmbedding  # noqa: E402
+
+# vLLM schedules at most CHUNK tokens a step: LONG is prefilled in 7 chunks
+# (6 of them read ahead), OTHER in 6.
+CHUNK = 16
+LONG = [(7 * i + 3) % 1000 for i in range(100)]
+OTHER = [(11 * i + 5) % 1000 for i in range(90)]
+MAX_TOKENS = 4
+
+# One process, an engine per arm (in-process, eager), each arm's environment
+# set before its engine is built.  Each arm generates LONG alone, then LONG
+# and OTHER together, and reports the tokens, the logprobs as float.hex
+# (bits) and the table's counters of each; an arm with "refused" expects its
+# engine to raise and reports the message.
+SESSION = r"""
+import json, os, sys
+
+def stats(model):
+    from ple.layers import DiskEmbedding
+    (module,) = [m for m in model.modules() if isinstance(m, DiskEmbedding)]
+    counters = module.table.stats()
+    module.table.reset_stats()
+    return counters
+
+def main():
+    spec = json.loads(sys.argv[1])
+    from vllm import LLM, SamplingParams
+    params = SamplingParams(max_tokens=spec["max_tokens"], temperature=0, logprobs=3,
+                            detokenize=False)
+    for arm in spec["arms"]:
+        os.environ.update(arm["env"])
+        try:
+            llm = LLM(model=spec["model"], skip_tokenizer_init=True, dtype="float32", seed=0,
+                      max_model_len=128, max_num_seqs=4, gpu_memory_utilization=0.1,
+                      enforce_eager=True, enable_chunked_prefill=True,
+                      max_num_batched_tokens=spec["chunk"], enable_prefix_caching=False)
+        except Exception as error:
+            print("RESULT " + json.dumps({"name": arm["name"], "refused": str(error)}), flush=True)
+            continue
+        llm.apply_model(stats)  # the profile run's gathers
+        result = {"name": arm["name"]}
+        for batch, prompts in spec["batches"].items():
+            outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+            result[batch] = {
+                "tokens": [list(o.outputs[0].token_ids) for o in outputs],
+                "logprobs": [[{str(k): v.logprob.hex() for k, v in step.items()}
+                              for step in o.outputs[0].logprobs] for o in outputs],
+                "stats": llm.apply_model(stats)[0]}
+        print("RESULT " + json.dumps(result), flush=True)
+        del llm
+
+main()
+"""
+
+
+def run_arms(model, arms: list[dict], directory) -> dict:
+    spec = {"model": str(model), "arms": arms, "chunk": CHUNK, "max_tokens": MAX_TOKENS,
+            "batches": {"alone": [LONG], "together": [LONG, OTHER]}}
+    environment = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "PLE_OFFLOAD": "auto",
+                   "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}
+    session = directory / "vllm_lookahead_session.py"
+    session.write_text(SESSION)
+    done = subprocess.run([sys.executable, str(session), json.dumps(spec)], capture_output=True,
+                          text=True, timeout=TIMEOUT_S, env=environment, cwd=directory)
+    log = done.stdout + done.stderr
+    assert done.returncode == 0, log[-6000:]
+    results = {}
+    for line in done.stdout.splitlines():
+        if line.startswith("RESULT "):
+            result = json.loads(line.removeprefix("RESULT "))
+            results[result.pop("name")] = result
+    assert list(results) == [a["name"] for a in arms], log[-6000:]
+    return results
+
+
+@pytest.fixture(scope="module")
+def arms(gemma, tmp_path_factory) -> dict:
+    return run_arms(gemma, [
+        {"name": "off", "env": {"PLE_LOOKAHEAD_MIB": "0"}},
+        {"name": "on", "env": {"PLE_LOOKAHEAD_MIB": "64"}},
+        {"name": "bad", "env": {"PLE_LOOKAHEAD_MIB": "lots"}},
+    ], tmp_path_factory.mktemp("lookahead"))
+
+
+
+def test_a_chunked_prefill_gives_the_same_bits_with_lookahead(arms):
+    for batch in ("alone", "together"):
+        assert_same_outputs({"name": "on", **arms["on"][batch]}, {"name": "off", **arms["off"][batch]})
+
+
+def test_a_lone_prompts_coming_chunks_come_from_prefetches(arms):
+    """LONG alone: its 7 chunks' gathers, all but the first served by a
+    prefetch (the first finds the others' pending: a miss), then 3 decode
+    steps; nothing prefetched with lookahead off."""
+    on, off = arms["on"]["alone"]["stats"], arms["off"]["alone"]["stats"]
+    assert (on["prefetch_hits"], on["prefetch_misses"]) == (6, 1)
+    assert (off["prefetch_hits"], off["prefetch_misses"]) == (0, 0)
+    assert on["rows"] == off["rows"] == len(LONG) + MAX_TOKENS - 1
+
+
+def test_two_requests_read_ahead_while_one_is_alone(arms):
+    """LONG and OTHER together: LONG's chunks 2 to 6 come from prefetches;
+    the step that batches LONG's last chunk with OTHER's first finds other
+    ids (a miss, its rows read by the forward) and the lookahead stops while
+    both are held; once LONG finished, OTHER's last two chunks come from
+    prefetches.  LONG's last chunk, read ahead but not taken, was read twice."""
+    on, off = arms["on"]["together"]["stats"], arms["off"]["together"]["stats"]
+    assert (on["prefetch_hits"], on["prefetch_misses"]) == (5 + 2, 2)
+    assert (off["prefetch_hits"], off["prefetch_misses"]) == (0, 0)
+    assert on["rows"] == off["rows"] + len(LONG) % CHUNK
+
+
+def test_a_bad_lookahead_setting_is_refused(arms):
+    assert arms["bad"] == {"refused": "ple: PLE_LOOKAHEAD_MIB must be MiB of rows read ahead, an "
+                                      "integer in [0, 256] (0: no lookahead), not 'lots'"}
+
+
+# Stand-ins for vLLM's SchedulerOutput, as the worker gets it.
+def step(new=(), cached=(), finished=()):
+    """``new``: (request id, prompt, tokens scheduled); ``cached``: (request
+    id, tokens computed, tokens scheduled)."""
+    scheduled = {req_id: n for req_id, _, n in new} | {req_id: n for req_id, _, n in cached}
+    return SimpleNamespace(
+        scheduled_new_reqs=[SimpleNamespace(req_id=r, prompt_token_ids=p, prompt_embeds=None,
+                                            num_computed_tokens=0) for r, p, _ in new],
+        scheduled_cached_reqs=SimpleNamespace(req_ids=[r for r, _, _ in cached],
+                                              num_computed_tokens=[c for _, c, _ in cached],
+                                              resumed_req_ids=set()),
+        num_scheduled_tokens=scheduled, finished_req_ids=set(finished), preempted_req_ids=set())
+
+
+@pytest.fixture
+def worker(tmp_path, monkeypatch):
+    """A stand-in for vLLM's worker over a model holding a DiskEmbedding of
+    a 64-row table of 4 float32 (16 B rows), chunks of 4 tokens."""
+    table = ple.Table.from_safetensors(write_arange_table(tmp_path / "t.safetensors", 64, 4), "t")
+    model = torch.nn.Sequential(DiskEmbedding(table))
+    monkeypatch.setenv("PLE_LOOKAHEAD_MIB", "1")
+
+    class Worker:  # the lookahead keeps a weak reference to its worker
+        vllm_config = SimpleNamespace(scheduler_config=SimpleNamespace(
+            max_num_scheduled_tokens=None, max_num_batched_tokens=4))
+        model_runner = SimpleNamespace(get_model=lambda: model)
+        embedding = model[0]
+
+    yield Worker()
+    table.close()
+
+
+def forward(worker, ids):
+    """What vLLM's step runs: the gather of the batch's ids, those outside
+    the table as 0 (as Gemma 3n's per-layer inputs)."""
+    ids = torch.tensor(ids)
+    return lambda _: worker.embedding(torch.where(ids < 64, ids, 0))
+
+
+def first_values(tokens):
+    """Column 0 of the rows of ``tokens`` (row i holds 4 * i, ...)."""
+    return torch.tensor([4.0 * i if i < 64 else 0.0 for i in tokens])
+
+
+PROMPT = list(range(60, 70))  # 10 tokens, 60 to 69: ids 64 to 69 are gathered as 0
+
+
+def test_each_chunk_of_a_lone_prompt_is_read_ahead(worker):
+    gathered = [lookahead.run_step(worker, step(new=[("a", PROMPT, 4)]), forward(worker, PROMPT[:4]))]
+    for start in (4, 8):
+        stop = min(start + 4, len(PROMPT))
+        gathered.append(lookahead.run_step(worker, step(cached=[("a", start, stop - start)]),
+                                           forward(worker, PROMPT[start:stop])))
+    stats = worker.embedding.table.stats()
+    assert (stats["prefetch_hits"], stats["prefetch_misses"]) == (2, 1)
+    assert torch.equal(torch.cat(gathered)[:, 0], first_values(PROMPT))
+
+
+def test_a_batched_step_drops_what_was_read_ahead(worker):
+    table = worker.embedding.table
+    lookahead.run_step(worker, step(new=[("a", PROMPT, 4)]), forward(worker, PROMPT[:4]))
+    # "b" joins: the batch's ids are not a's next chunk alone.
+    batch = PROMPT[4:8] + [1, 2]
+    rows = lookahead.run_step(worker, step(new=[("b", [1, 2], 2)], cached=[("a", 4, 4)]),
+                              forward(worker, batch))
+    assert torch.equal(rows[:, 0], first_values(batch))
+    # Dropped before the batch's gather, which found nothing pending: only
+    # the first step's gather missed (it found a's next chunks pending).
+    stats = table.stats()
+    assert (stats["prefetch_hits"], stats["prefetch_misses"]) == (0, 1)
+
+
+def test_a_failed_prefetch_only_loses_the_overlap(worker, monkeypatch):
+    """The step runs, the failure is logged once, the lookahead is off."""
+    monkeypatch.setattr(ple.Table, "prefetch", mock.Mock(side_effect=OSError("no more reads")))
+    with mock.patch.object(lookahead, "logger") as logger:
+        for start in (0, 4):
+            schedule = (step(new=[("a", PROMPT, 4)]) if start == 0
+                        else step(cached=[("a", start, 4)]))
+            rows = lookahead.run_step(worker, schedule, forward(worker, PROMPT[start:start + 4]))
+            assert torch.equal(rows[:, 0], first_values(PROMPT[start:start + 4]))
+    assert logger.warning.call_count == 1
+    assert ple.Table.prefetch.call_count == 1
