@@ -27,6 +27,7 @@ import triton
 import triton.language as tl
 
 from ple.formats import OUTPUT_DTYPES, RowFormat
+from ple.kernels.launch_cache import LaunchCache
 from ple.kernels.tier_rows_triton import TierRead, call_row
 
 
@@ -137,6 +138,9 @@ def row_layout(fmt: RowFormat, dtype: torch.dtype, cols: int) -> tuple[int, int,
     return block, triton.cdiv(cols, block), fmt.row_bytes(cols)
 
 
+_LAUNCHES: dict[object, LaunchCache] = {}  # each decoder kernel's, made at its first launch
+
+
 def without_tiers(placeholder: torch.Tensor) -> tuple:
     """call_row's arguments ``ids_ptr`` to ``report_ptr`` of a call without
     tiers: none is read, so the pointers may be any tensor's."""
@@ -169,12 +173,17 @@ def launch_decoder(kernel, staged: torch.Tensor | None, fmt: RowFormat, out: tor
     if n == 0:
         return out
     # Rows on axis 0 (up to 2^31 - 1), column blocks on axis 1 (<= 65535).
-    grid = (n, column_blocks)
+    grid = (n, column_blocks, 1)
     # A status word that is not read (HAS_STATUS false) may be any tensor's.
     source = without_tiers(out) if tiers is None else tiers.kernel_args
-    kernel[grid](staged, out if status is None else status, out, cols, row_bytes, *source, *args,
-                 FMT=fmt.name, BLOCK=block, TIERS=tiers is not None, HAS_STATUS=status is not None,
-                 SCAN_IDS=0 if tiers is None else tiers.scan_ids, **meta)
+    launches = _LAUNCHES.get(kernel)
+    if launches is None:
+        launches = _LAUNCHES[kernel] = LaunchCache(kernel)
+    launches.launch(grid, (staged, out if status is None else status, out, cols, row_bytes,
+                           *source, *args), out.get_device(),
+                    FMT=fmt.name, BLOCK=block, TIERS=tiers is not None,
+                    HAS_STATUS=status is not None, SCAN_IDS=0 if tiers is None else tiers.scan_ids,
+                    **meta)
     return out
 
 

@@ -19,6 +19,8 @@ the staged rows (kernels/tier_rows_triton.py); with every row resident, steps
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import torch
 
 from ple.kernels.decode_gguf_triton import decode_blocks_triton
@@ -47,10 +49,9 @@ def _gather(table: Table, handle: int, tiers: Tiers | None, ids: torch.Tensor,
             dtype: torch.dtype, scale: float) -> torch.Tensor:
     """disk_gather_cuda with the table's native handle and one snapshot of its tiers."""
     device = ids.device  # a new torch.device each time it is asked for
-    stream = torch.cuda.current_stream(device)
     capturing = torch.cuda.is_current_stream_capturing()
-    staging = table.staging_for(stream, capturing)
-    _raise_earlier_error(table, handle, staging, stream)
+    staging = table.current_staging(device.index, capturing)
+    _raise_earlier_error(table, handle, staging)
     out = torch.empty((*ids.shape, table.cols), dtype=dtype, device=device)
     n = ids.numel()
     if n == 0:
@@ -66,7 +67,9 @@ def _gather(table: Table, handle: int, tiers: Tiers | None, ids: torch.Tensor,
         rows, status = staging.gather(handle, ids, resident_range, capturing)
         if n * table.row_bytes > UVA_MAX_BYTES:
             rows = rows.to(device, non_blocking=True)
-    with torch.cuda.device(device):
+    # The kernels launch on the current device: the ids' (entering a device
+    # context costs microseconds, so only when it is another).
+    with nullcontext() if device.index == torch.cuda.current_device() else torch.cuda.device(device):
         if tiers is not None:
             # No host gather checks the ids when every row is resident: the
             # decoder does (or a kernel before it), and the next call learns
@@ -78,10 +81,10 @@ def _gather(table: Table, handle: int, tiers: Tiers | None, ids: torch.Tensor,
     return out
 
 
-def _raise_earlier_error(table: Table, handle: int, staging, stream: torch.cuda.Stream) -> None:
+def _raise_earlier_error(table: Table, handle: int, staging) -> None:
     """A host function cannot raise: the failure of an earlier call on this
     stream, whose output was NaN, is raised by the next call."""
-    error = native.take_host_error(handle, stream.cuda_stream)
+    error = native.take_host_error(handle, staging.stream.cuda_stream)
     if not error and staging.take_bad_id_flag():
         error = f"an id was out of range [0, {table.num_rows})"
     if error:

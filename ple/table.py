@@ -527,6 +527,16 @@ class Table:
             staging = self._staging[key] = StreamStaging(stream, self.row_bytes)
         return staging
 
+    def current_staging(self, device: int, capturing: bool = False) -> StreamStaging:
+        """``staging_for`` the current stream of CUDA device ``device`` (an
+        index), found by the stream's address: ``torch.cuda.current_stream``
+        builds a Stream object, several microseconds of a small call."""
+        if not capturing:
+            staging = self._staging.get((device, torch._C._cuda_getCurrentRawStream(device)))
+            if staging is not None:
+                return staging
+        return self.staging_for(torch.cuda.current_stream(device), capturing)
+
     def pinned_bytes(self) -> int:
         """Page-locked host memory held for the CUDA operator (all streams) and
         the host tier."""

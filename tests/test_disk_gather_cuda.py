@@ -102,6 +102,25 @@ def test_gguf_blocks_with_tiers_equal_the_cpu_operator(tmp_path, name, device_ro
         assert_same(torch.ops.ple.disk_gather(ids.cuda(), table.handle, torch.float16), expected)
 
 
+def test_launches_like_earlier_ones_with_other_alignments_tiers_and_dtypes(fp8_table):
+    """A launch that specializes as an earlier one reuses its compiled kernel
+    (kernels/launch_cache.py): calls in turn with the ids at other alignments
+    (views 8 bytes apart, read in place with every row resident), other
+    tiers and other dtypes each give the CPU operator's rows."""
+    rows = fp8_table.num_rows
+    ids = random_ids(rows, (65,), seed=6)
+    on_gpu = ids.cuda()
+    try:
+        for device_rows, host_rows in ((rows, 0), (rows // 3, rows // 3), (0, 0)):
+            fp8_table.place(device_rows=device_rows, host_rows=host_rows, device="cuda")
+            for view in (slice(1, None), slice(None, -1), slice(1, None), slice(2, None)):
+                for dtype in (torch.bfloat16, torch.float32, torch.bfloat16):
+                    assert_same(torch.ops.ple.disk_gather(on_gpu[view], fp8_table.handle, dtype),
+                                torch.ops.ple.disk_gather(ids[view], fp8_table.handle, dtype))
+    finally:
+        fp8_table.place()
+
+
 def test_large_request_through_the_device_copy(fp8_table):
     ids = random_ids(5000, (40000,), seed=4)  # 6.4 MB staged: above the UVA threshold
     gpu = torch.ops.ple.disk_gather(ids.cuda(), fp8_table.handle, torch.bfloat16)
