@@ -44,8 +44,9 @@ transformers integration runs it.  The arms then are:
   lookahead       the model as loaded by default: generate looks ahead
                   (lookahead_mib=--lookahead-mib)
 
-The model is built before the arm enters its memory cgroup (its CUDA
-context and weights are not charged to it); the arms through the model must
+The model is built and warmed up (a chunked prefill of 32 tokens) before
+the arm enters its memory cgroup (its CUDA context, weights and libraries
+are not charged to it); the arms through the model must
 give the same first token and logits (their SHA-256), the reads arm the
 same rows as the arms of the layer alone.
 
@@ -300,6 +301,18 @@ def model_of(spec: dict, table_files):
                                lookahead_mib=ahead)
 
 
+def warm_up(model, spec: dict) -> None:
+    """A chunked prefill of a few tokens, outside the memory cgroup: the
+    libraries and kernels the first forward loads (cuBLAS's among them,
+    hundreds of MiB of file pages) are not charged to the arm's cgroup, which
+    they would throttle, nor timed."""
+    import torch
+
+    prompt = torch.arange(1, 33, device=spec["device"]).view(1, -1)
+    with torch.no_grad():
+        model.generate(prompt, max_new_tokens=1, do_sample=False, prefill_chunk_size=16)
+
+
 def run_model_arm(spec: dict, model, write_line) -> dict:
     """``generate``s one token after the prompt, prefilled in chunks; writes
     a line per chunk's forward; returns the arm's record."""
@@ -409,6 +422,7 @@ def child_main(spec_json: str) -> None:
 
         files = None if spec["arm"] == COMPUTE else Layout.open(Path(spec["table"]), PREFIX).paths
         model = model_of(spec, files)
+        warm_up(model, spec)
     else:
         table = ple.Table.from_safetensors(spec["table"], PREFIX, arm_config(spec["arm"]))
     group = None
