@@ -253,6 +253,12 @@ def run_session(model: Path, arms: list[dict], *, engine_in_process: bool,
     done = subprocess.run([sys.executable, "-c", "import vllm_session; vllm_session.main()",
                            json.dumps(spec)], capture_output=True,
                           text=True, timeout=TIMEOUT_S, env=environment, cwd=cwd or model)
+    return session_results(done, arms)
+
+
+def session_results(done: subprocess.CompletedProcess, arms: list[dict]) -> tuple[dict, str]:
+    """A finished session's {arm name: result}, from its RESULT lines, and
+    its log; fails the test when the session failed or left an arm out."""
     log = done.stdout + done.stderr
     assert done.returncode == 0, log[-6000:]
     results = {}

@@ -20,7 +20,7 @@ pytest.importorskip("vllm", reason="vLLM is not installed (make test-vllm)")
 pytest.importorskip("transformers")
 
 from helpers import write_arange_table  # noqa: E402
-from test_vllm import TIMEOUT_S, assert_same_outputs, gemma  # noqa: E402, F401
+from test_vllm import TIMEOUT_S, assert_same_outputs, gemma, session_results  # noqa: E402, F401
 
 import ple  # noqa: E402
 from ple.integrations.vllm import lookahead  # noqa: E402
@@ -88,15 +88,9 @@ def run_arms(model, arms: list[dict], directory) -> dict:
     session.write_text(SESSION)
     done = subprocess.run([sys.executable, str(session), json.dumps(spec)], capture_output=True,
                           text=True, timeout=TIMEOUT_S, env=environment, cwd=directory)
-    log = done.stdout + done.stderr
-    assert done.returncode == 0, log[-6000:]
-    results = {}
-    for line in done.stdout.splitlines():
-        if line.startswith("RESULT "):
-            result = json.loads(line.removeprefix("RESULT "))
-            results[result.pop("name")] = result
-    assert list(results) == [a["name"] for a in arms], log[-6000:]
-    return results
+    results, _ = session_results(done, arms)
+    return {name: {key: value for key, value in result.items() if key != "name"}
+            for name, result in results.items()}
 
 
 @pytest.fixture(scope="module")
