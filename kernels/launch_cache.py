@@ -54,7 +54,11 @@ class LaunchCache:
 
 def _specialization(arg) -> object:
     """What of ``arg`` a Triton launch specializes on, or more: a tensor's
-    dtype and whether its address is 16-byte aligned, a scalar itself."""
+    dtype and whether its address is 16-byte aligned, an integer's value, a
+    float's type only (a float is always passed as fp32; its value, NaN
+    included, would make keys that never match)."""
     if isinstance(arg, torch.Tensor):
         return arg.dtype, arg.data_ptr() % 16 == 0
+    if isinstance(arg, float):
+        return float
     return type(arg), arg

@@ -1,0 +1,79 @@
+"""kernels/launch_cache.py: a launch that specializes as an earlier one calls
+the earlier launch's compiled kernel (the constexprs after the other
+arguments, on the device's current stream); one that does not (another
+alignment, integer, dtype, device or constexpr) goes through the JIT; a
+float's value is never part of the key.  A stand-in kernel records the
+launches (the GPU tests launch the real decoders this way)."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+from ple.kernels.launch_cache import LaunchCache  # noqa: E402
+
+
+class Compiled:
+    def __init__(self, launches):
+        self.launches = launches
+
+    def __getitem__(self, grid):
+        return lambda *args, stream: self.launches.append(("compiled", grid, args, stream))
+
+
+class Kernel:
+    """A @triton.jit kernel's face: its params, and a JIT launch that returns
+    the compiled kernel."""
+
+    def __init__(self, names, constexprs):
+        self.params = [SimpleNamespace(name=n, is_constexpr=n in constexprs) for n in names]
+        self.fn = SimpleNamespace(__name__="kernel")
+        self.launches = []
+
+    def __getitem__(self, grid):
+        def jit(*args, **meta):
+            self.launches.append(("jit", grid, args, meta))
+            return Compiled(self.launches)
+        return jit
+
+
+@pytest.fixture
+def stream(monkeypatch):
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 1000 + device,
+                        raising=False)
+
+
+def test_a_launch_like_an_earlier_one_calls_its_compiled_kernel(stream):
+    kernel = Kernel(["x", "n", "scale", "BLOCK"], {"BLOCK"})
+    cache = LaunchCache(kernel)
+    x = torch.zeros(64, dtype=torch.uint8)
+    grid = (4, 1, 1)
+    cache.launch(grid, (x, 7, 0.5), 0, BLOCK=16, enable_fp_fusion=False)
+    cache.launch(grid, (x, 7, float("nan")), 0, BLOCK=16, enable_fp_fusion=False)
+    assert [launch[0] for launch in kernel.launches] == ["jit", "compiled"]
+    _, got_grid, args, stream_id = kernel.launches[1]
+    # The constexprs follow the arguments; the options are the compiled kernel's own.
+    assert got_grid == grid and args[1:] == (7, pytest.approx(float("nan"), nan_ok=True), 16)
+    assert stream_id == 1000
+
+
+@pytest.mark.parametrize("change", ["alignment", "integer", "dtype", "device", "constexpr"])
+def test_a_launch_that_specializes_otherwise_goes_through_the_jit(stream, change):
+    kernel = Kernel(["x", "n", "BLOCK"], {"BLOCK"})
+    cache = LaunchCache(kernel)
+    x = torch.zeros(64, dtype=torch.uint8)
+    cache.launch((1, 1, 1), (x, 16), 0, BLOCK=16)
+    other = {"alignment": ((x[8:], 16), 0, 16), "integer": ((x, 1), 0, 16),
+             "dtype": ((x.view(torch.int8), 16), 0, 16), "device": ((x, 16), 1, 16),
+             "constexpr": ((x, 16), 0, 32)}[change]
+    args, device, block = other
+    cache.launch((1, 1, 1), args, device, BLOCK=block)
+    assert [launch[0] for launch in kernel.launches] == ["jit", "jit"]
+    cache.launch((1, 1, 1), args, device, BLOCK=block)
+    assert kernel.launches[-1][0] == "compiled"
+
+
+def test_constexprs_must_come_last():
+    with pytest.raises(ValueError, match="constexpr parameters must come last"):
+        LaunchCache(Kernel(["BLOCK", "x"], {"BLOCK"}))
