@@ -283,7 +283,7 @@ def test_errors_are_clear(checkpoints, tmp_path):
         offload(model, gemma)
     # Tables of another size: the first, opened, is closed again, and the
     # model is left as it was.
-    before = len(_open_tables)
+    before = set(_open_tables)  # other tests' tables may be collected meanwhile
     with torch.device("meta"):
         other = Qwen4ExpForCausalLM(Qwen4ExpTextConfig(**{**QWEN_CONFIG,
                                                           "ngram_vocab_size_base": 1100}))
@@ -291,7 +291,7 @@ def test_errors_are_clear(checkpoints, tmp_path):
                                          r"'model.layers.0.ple.ple_embedding.ngram_embedding' "
                                          r"in .* has 4096 rows of 8"):
         offload(other, qwen, ["model.embed_tokens", *QWEN_TABLES])
-    assert len(_open_tables) == before
+    assert set(_open_tables) <= before
     assert type(other.model.embed_tokens) is torch.nn.Embedding
     # A tied embedding: its other side needs the table in memory.
     with torch.device("meta"):
