@@ -149,21 +149,26 @@ def step(new=(), cached=(), finished=()):
         num_scheduled_tokens=scheduled, finished_req_ids=set(finished), preempted_req_ids=set())
 
 
-@pytest.fixture
-def worker(tmp_path, monkeypatch):
-    """A stand-in for vLLM's worker over a model holding a DiskEmbedding of
-    a 64-row table of 4 float32 (16 B rows), chunks of 4 tokens."""
-    table = ple.Table.from_safetensors(write_arange_table(tmp_path / "t.safetensors", 64, 4), "t")
-    model = torch.nn.Sequential(DiskEmbedding(table))
-    monkeypatch.setenv("PLE_LOOKAHEAD_MIB", "1")
+def stand_in_worker(model, embedding):
+    """A stand-in for vLLM's worker over ``model``, chunks of 4 tokens."""
 
     class Worker:  # the lookahead keeps a weak reference to its worker
         vllm_config = SimpleNamespace(scheduler_config=SimpleNamespace(
             max_num_scheduled_tokens=None, max_num_batched_tokens=4))
         model_runner = SimpleNamespace(get_model=lambda: model)
-        embedding = model[0]
 
-    yield Worker()
+    Worker.embedding = embedding
+    return Worker()
+
+
+@pytest.fixture
+def worker(tmp_path, monkeypatch):
+    """A stand-in worker over a model holding a DiskEmbedding of a 64-row
+    table of 4 float32 (16 B rows)."""
+    table = ple.Table.from_safetensors(write_arange_table(tmp_path / "t.safetensors", 64, 4), "t")
+    model = torch.nn.Sequential(DiskEmbedding(table))
+    monkeypatch.setenv("PLE_LOOKAHEAD_MIB", "1")
+    yield stand_in_worker(model, model[0])
     table.close()
 
 
@@ -218,3 +223,42 @@ def test_a_failed_prefetch_only_loses_the_overlap(worker, monkeypatch):
             assert torch.equal(rows[:, 0], first_values(PROMPT[start:start + 4]))
     assert logger.warning.call_count == 1
     assert ple.Table.prefetch.call_count == 1
+
+
+def test_an_ngram_tables_coming_chunks_are_read_ahead(tmp_path, monkeypatch):
+    """Qwen4Exp's n-gram module: each chunk's hashed ids, the tokens before
+    it as context (EOS before the prompt, as vLLM's ngram_context holds
+    them), are read ahead and taken by the chunk's gather, with the rows of
+    the gathers without lookahead."""
+    from ple.layers import NGramEmbedding
+    from ple.layers.ngram_ids import NGramHashing
+    from ple_tools.make_table import PREFIX, ensure_table
+
+    hashing = NGramHashing(vocab_size=100, eos_id=1, base_size=1000, ngram_size=3,
+                           heads_per_ngram=2, seed=7)
+    ensure_table(tmp_path / "ngram", rows=hashing.padded_rows(128), row_bytes=16, shards=1,
+                 files=1)
+    prompt = [5, 1, 7, 8, 9, 10, 11, 12, 13, 14]  # an EOS inside
+    starts = range(0, len(prompt), 4)
+
+    def chunk_args(start):
+        before = prompt[max(0, start - 2):start]
+        return (torch.tensor(prompt[start:start + 4]), None,
+                torch.tensor([[1] * (2 - len(before)) + before]))
+
+    with ple.Table.from_safetensors(tmp_path / "ngram", PREFIX) as table:
+        layer = NGramEmbedding(table, hashing)
+        without = torch.cat([layer(*chunk_args(start)) for start in starts])
+        table.reset_stats()
+        monkeypatch.setenv("PLE_LOOKAHEAD_MIB", "1")
+        worker = stand_in_worker(torch.nn.Sequential(layer), layer)
+        gathered = []
+        for start in starts:
+            n = min(4, len(prompt) - start)
+            scheduled = (step(new=[("a", prompt, n)]) if start == 0
+                         else step(cached=[("a", start, n)]))
+            args = chunk_args(start)
+            gathered.append(lookahead.run_step(worker, scheduled, lambda _, args=args: layer(*args)))
+        stats = table.stats()
+        assert (stats["prefetch_hits"], stats["prefetch_misses"]) == (2, 1)
+        assert torch.equal(torch.cat(gathered).view(torch.int16), without.view(torch.int16))
