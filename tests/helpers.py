@@ -322,14 +322,39 @@ def compile_for_targets(script: str, names, cache_dir: Path) -> dict:
                                  cache_dir)
 
 
+# What every compile script starts with: ``compile_summary(src, cc, options)``, a
+# kernel compiled for sm_cc summarized as JSON (its PTX and cubin, or the
+# error), and the decoders' arguments of a call without tiers.
+COMPILE_PRELUDE = r"""
+import json, sys, triton
+from triton.backends.compiler import GPUTarget
+
+def compile_summary(src, cc, options=None):
+    try:
+        k = triton.compile(src, target=GPUTarget("cuda", cc, 32), options=options or {})
+        return {"ptx": k.asm["ptx"], "cubin_head": k.asm["cubin"][:4].hex(),
+                "cubin_len": len(k.asm["cubin"])}
+    except Exception as e:
+        return {"error": f"{type(e).__name__}: {e}"[-3000:]}
+
+# Staged rows and a status word, no tiers (their variants: test_tier_rows_triton.py).
+NO_TIERS_SIGNATURE = {"ids_ptr": "*u8", "device_ptr": "*u8", "host_ptr": "*u8", "first_row": "i32",
+                      "device_rows": "i32", "tier_rows": "i32", "num_rows": "i32", "hits_ptr": "*u8",
+                      "report_ptr": "*u8"}
+NO_TIERS_CONSTEXPRS = {"TIERS": False, "HAS_STATUS": True, "SCAN_IDS": 0}
+"""
+
+
 def compile_in_subprocess(script: str, args: list, cache_dir: Path) -> dict:
-    """Runs ``script`` (which compiles kernels with ``triton.compile`` and
-    prints a JSON object as its last line) with ``args`` as JSON arguments,
-    in a subprocess: the kernel module must be imported there without
-    TRITON_INTERPRET, and a fresh cache makes it really compile."""
+    """Runs ``script`` after COMPILE_PRELUDE (it compiles kernels with
+    ``compile_summary`` and prints a JSON object as its last line) with ``args`` as
+    JSON arguments, in a subprocess: the kernel module must be imported
+    there without TRITON_INTERPRET, and a fresh cache makes it really
+    compile."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(cache_dir)
-    proc = subprocess.run([sys.executable, "-c", script, *(json.dumps(a) for a in args)],
+    proc = subprocess.run([sys.executable, "-c", COMPILE_PRELUDE + script,
+                           *(json.dumps(a) for a in args)],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])

@@ -195,30 +195,19 @@ def test_rejects_mismatched_shapes(interp):
 FMA = re.compile(r"\b(fma|mad)\.[\w.]*f(16|32)(x2)?\b")  # a fused float multiply-add
 
 COMPILE_SCRIPT = r"""
-import json, sys, triton
-from triton.backends.compiler import GPUTarget
 from ple.formats import BLOCK_FORMATS
 from ple.kernels.decode_gguf_triton import decode_blocks_kernel, LAUNCH_OPTIONS
 from ple.kernels.decode_triton import MAX_BLOCK
 assert type(decode_blocks_kernel).__name__ == "JITFunction"
-# Staged rows and a status word, no tiers (their variants: test_tier_rows_triton.py).
-TIER_SIGNATURE = {"ids_ptr": "*u8", "device_ptr": "*u8", "host_ptr": "*u8", "first_row": "i32",
-                  "device_rows": "i32", "tier_rows": "i32", "num_rows": "i32", "hits_ptr": "*u8",
-                  "report_ptr": "*u8"}
-TIER_CONSTEXPRS = {"TIERS": False, "HAS_STATUS": True, "SCAN_IDS": 0}
 
 def build(cc, name, out, options):
     fmt = BLOCK_FORMATS[name]
     signature = {"rows_ptr": "*u8", "status_ptr": "*i32", "out_ptr": "*" + out, "cols": "i32",
-                 "row_bytes": "i32", **TIER_SIGNATURE, "FMT": "constexpr", "BLOCK": "constexpr",
-                 **{name: "constexpr" for name in TIER_CONSTEXPRS}, "QK": "constexpr", "BB": "constexpr"}
+                 "row_bytes": "i32", **NO_TIERS_SIGNATURE, "FMT": "constexpr", "BLOCK": "constexpr",
+                 **{name: "constexpr" for name in NO_TIERS_CONSTEXPRS}, "QK": "constexpr", "BB": "constexpr"}
     src = triton.compiler.ASTSource(fn=decode_blocks_kernel, signature=signature, constexprs={
-        "FMT": name, "BLOCK": MAX_BLOCK, **TIER_CONSTEXPRS, "QK": fmt.block_size, "BB": fmt.block_bytes})
-    try:
-        k = triton.compile(src, target=GPUTarget("cuda", cc, 32), options=options)
-        return {"ptx": k.asm["ptx"], "cubin_head": k.asm["cubin"][:4].hex(), "cubin_len": len(k.asm["cubin"])}
-    except Exception as e:
-        return {"error": f"{type(e).__name__}: {e}"[-3000:]}
+        "FMT": name, "BLOCK": MAX_BLOCK, **NO_TIERS_CONSTEXPRS, "QK": fmt.block_size, "BB": fmt.block_bytes})
+    return compile_summary(src, cc, options)
 
 results = {}
 for cc in json.loads(sys.argv[1]):

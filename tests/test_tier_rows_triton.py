@@ -249,8 +249,6 @@ def check_reads_of(tiers, table, n: int, interpreted) -> None:
 # --- compilation of the variants the operator launches, without a GPU ------------
 
 COMPILE_SCRIPT = r"""
-import json, sys, triton
-from triton.backends.compiler import GPUTarget
 from ple.kernels.decode_gguf_triton import LAUNCH_OPTIONS, decode_blocks_kernel
 from ple.kernels.decode_triton import MAX_BLOCK, decode_rows_kernel
 from ple.kernels.tier_rows_triton import CHECK_BLOCK, SCAN_MAX_IDS, check_ids_kernel
@@ -265,13 +263,6 @@ VARIANTS = {"status": (True, 0), "scan16": (False, 16), "scan_max": (False, SCAN
 DECODERS = {"fp8_e4m3fn": (decode_rows_kernel, {"scale": "fp32"}, {}, {}),
             "q4_k": (decode_blocks_kernel, {}, {"QK": 256, "BB": 144}, LAUNCH_OPTIONS)}
 
-def build(cc, src, options):
-    try:
-        k = triton.compile(src, target=GPUTarget("cuda", cc, 32), options=options)
-        return {"ptx": k.asm["ptx"], "cubin_head": k.asm["cubin"][:4].hex(), "cubin_len": len(k.asm["cubin"])}
-    except Exception as e:
-        return {"error": f"{type(e).__name__}: {e}"[-3000:]}
-
 results = {}
 for cc in json.loads(sys.argv[1]):
     for variant, (has_status, scan) in VARIANTS.items():
@@ -281,11 +272,11 @@ for cc in json.loads(sys.argv[1]):
             signature = {"rows_ptr": "*u8", "status_ptr": "*i32", "out_ptr": "*bf16", "cols": "i32",
                          "row_bytes": "i32", **TIERS, **args, **{c: "constexpr" for c in constexprs}}
             src = triton.compiler.ASTSource(fn=kernel, signature=signature, constexprs=constexprs)
-            results[f"{cc}-{variant}-{name}"] = build(cc, src, options)
+            results[f"{cc}-{variant}-{name}"] = compile_summary(src, cc, options)
     src = triton.compiler.ASTSource(fn=check_ids_kernel, signature={
         "ids_ptr": "*i64", "n": "i32", "num_rows": "i32", "status_ptr": "*i32", "report_ptr": "*i32",
         "BLOCK": "constexpr"}, constexprs={"BLOCK": CHECK_BLOCK})
-    results[f"{cc}-check_ids"] = build(cc, src, {})
+    results[f"{cc}-check_ids"] = compile_summary(src, cc)
 print(json.dumps(results))
 """
 
