@@ -345,16 +345,25 @@ def run_model_arm(spec: dict, model, write_line) -> dict:
     total = time.perf_counter() - start
     hook.remove()
     mark_chunk()  # the last chunk's end (generate's one token comes from its logits)
-    after = table.stats() if table else {}
-    delta = {key: after[key] - before[key] for key in after if isinstance(after[key], int)}
     digest = hashlib.sha256(out.sequences[0, -1:].cpu().numpy().tobytes())
     digest.update(out.logits[0].cpu().view(torch.int16).numpy().tobytes())
     return {"arm": spec["arm"], "seconds": total, "forward_s": total, "compute_s": 0.0,
-            "read_bytes": disk_read_bytes() - read0, "pages": delta.get("unique_pages"),
-            "major_faults": delta.get("major_faults"), "row_cache_hits": delta.get("row_cache_hits"),
-            "prefetch_hits": delta.get("prefetch_hits"), "direct_reads": delta.get("direct_reads"),
-            "io_backend": table.io_backend if table else None, "sha256": digest.hexdigest(),
+            **reads_record(table, before, read0), "sha256": digest.hexdigest(),
             "output": "first token" if table else "first token (own table)"}
+
+
+def reads_record(table, before: dict, read0: int) -> dict:
+    """What an arm read since ``before`` (``table.stats()``; {} and no table
+    for the compute arm) and ``read0`` (``disk_read_bytes()``)."""
+    from ple_tools.demo import disk_read_bytes
+
+    after = table.stats() if table else {}
+    delta = {key: after[key] - before[key] for key in after if isinstance(after[key], int)}
+    return {"read_bytes": disk_read_bytes() - read0, "pages": delta.get("unique_pages"),
+            "major_faults": delta.get("major_faults"),
+            "row_cache_hits": delta.get("row_cache_hits"),
+            "prefetch_hits": delta.get("prefetch_hits"), "direct_reads": delta.get("direct_reads"),
+            "io_backend": table.io_backend if table else None}
 
 
 def run_arm(spec: dict, table, write_line) -> dict:
@@ -395,13 +404,8 @@ def run_arm(spec: dict, table, write_line) -> dict:
         if spec["arm"] == LOOKAHEAD:
             layer.end_lookahead()
     total = time.perf_counter() - start
-    after = table.stats()
-    delta = {key: after[key] - before[key] for key in after if isinstance(after[key], int)}
     return {"arm": spec["arm"], "seconds": total, "forward_s": forward_s, "compute_s": compute_s,
-            "read_bytes": disk_read_bytes() - read0, "pages": delta.get("unique_pages"),
-            "major_faults": delta.get("major_faults"), "row_cache_hits": delta.get("row_cache_hits"),
-            "prefetch_hits": delta.get("prefetch_hits"), "direct_reads": delta.get("direct_reads"),
-            "io_backend": table.io_backend, "sha256": digest.hexdigest(), "output": "rows"}
+            **reads_record(table, before, read0), "sha256": digest.hexdigest(), "output": "rows"}
 
 
 def child_main(spec_json: str) -> None:
