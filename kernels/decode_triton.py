@@ -138,7 +138,10 @@ def row_layout(fmt: RowFormat, dtype: torch.dtype, cols: int) -> tuple[int, int,
     return block, triton.cdiv(cols, block), fmt.row_bytes(cols)
 
 
-_LAUNCHES: dict[object, LaunchCache] = {}  # each decoder kernel's, made at its first launch
+@functools.cache
+def _launches(kernel) -> LaunchCache:
+    """Each decoder kernel's launches, made at its first."""
+    return LaunchCache(kernel)
 
 
 def without_tiers(placeholder: torch.Tensor) -> tuple:
@@ -176,14 +179,10 @@ def launch_decoder(kernel, staged: torch.Tensor | None, fmt: RowFormat, out: tor
     grid = (n, column_blocks, 1)
     # A status word that is not read (HAS_STATUS false) may be any tensor's.
     source = without_tiers(out) if tiers is None else tiers.kernel_args
-    launches = _LAUNCHES.get(kernel)
-    if launches is None:
-        launches = _LAUNCHES[kernel] = LaunchCache(kernel)
-    launches.launch(grid, (staged, out if status is None else status, out, cols, row_bytes,
-                           *source, *args), out.get_device(),
-                    FMT=fmt.name, BLOCK=block, TIERS=tiers is not None,
-                    HAS_STATUS=status is not None, SCAN_IDS=0 if tiers is None else tiers.scan_ids,
-                    **meta)
+    _launches(kernel).launch(
+        grid, (staged, out if status is None else status, out, cols, row_bytes, *source, *args),
+        out.get_device(), FMT=fmt.name, BLOCK=block, TIERS=tiers is not None,
+        HAS_STATUS=status is not None, SCAN_IDS=0 if tiers is None else tiers.scan_ids, **meta)
     return out
 
 
