@@ -29,7 +29,7 @@ from torch import nn
 from ple.layers.disk_embedding import DiskEmbedding
 from ple.layers.ngram_ids import NGramConstants, NGramHashing
 
-__all__ = ["end", "prefill_chunk_size", "start"]
+__all__ = ["end", "gathered_token_ids", "prefill_chunk_size", "start"]
 
 
 def prefill_chunk_size(model: nn.Module, kwargs: dict) -> int | None:
@@ -76,8 +76,15 @@ def _prompt_ids(owner: nn.Module, module: DiskEmbedding, prompt: torch.Tensor
         seq_ids = torch.arange(batch).repeat_interleave(length)
         ids = _hashing(owner).row_ids(prompt.reshape(-1), seq_ids)
         return ids.view(batch, length, -1), 1
-    in_table = (prompt >= 0) & (prompt < module.num_embeddings)
-    return torch.where(in_table, prompt, 0), -1
+    return gathered_token_ids(module, prompt), -1
+
+
+def gathered_token_ids(module: DiskEmbedding, token_ids: torch.Tensor) -> torch.Tensor:
+    """The rows a token table (Gemma 3n's ``embed_tokens_per_layer``, a
+    token embedding) gathers for ``token_ids``: those outside the table are
+    taken as 0, as Gemma 3n takes them for its per-layer inputs."""
+    in_table = (token_ids >= 0) & (token_ids < module.num_embeddings)
+    return torch.where(in_table, token_ids, 0)
 
 
 def _hashing(owner: nn.Module) -> NGramHashing:

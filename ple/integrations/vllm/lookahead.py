@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from ple.integrations.prefill_lookahead import gathered_token_ids
 from ple.layers.disk_embedding import DiskEmbedding
 from ple.layers.ngram_embedding import NGramEmbedding
 
@@ -167,8 +168,7 @@ def _prefetch(module: nn.Module, token_ids: torch.Tensor, start: int, stop: int)
         eos = torch.full((history - before.numel(),), module.hashing.eos_id, dtype=torch.int64)
         module.prefetch(chunk, None, torch.cat([eos, before]).unsqueeze(0))
     else:
-        in_table = (chunk >= 0) & (chunk < module.num_embeddings)
-        module.prefetch(torch.where(in_table, chunk, 0))
+        module.prefetch(gathered_token_ids(module, chunk))
 
 
 # Each worker's lookahead (None: its model has no offloaded table, or
