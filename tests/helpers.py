@@ -244,26 +244,33 @@ def load_module(name: str, path: Path) -> ModuleType:
     return module
 
 
-def load_interpreted(path: Path, stand_ins: dict[str, Path] | None = None) -> ModuleType:
+# The Triton modules each kernel module imports kernels from: they are
+# loaded interpreted with it, since an interpreted kernel cannot call a
+# compiled one.
+KERNEL_IMPORTS = {"decode_triton": ("tier_rows_triton",),
+                  "decode_gguf_triton": ("tier_rows_triton", "decode_triton")}
+
+
+def load_interpreted(path: Path) -> ModuleType:
     """The kernel module at ``path``, loaded under a private name with
     TRITON_INTERPRET=1, so that its kernels run on CPU tensors.  The variable
     is read when ``@triton.jit`` decorates a function, so it is set for the
-    load only: the operators' own copies of the kernels stay compiled.
-    ``stand_ins``: modules it imports kernels from (``{"ple.kernels.x": path}``),
-    loaded interpreted too and put in ``sys.modules`` while it loads."""
+    load only: the operators' own copies of the kernels stay compiled.  The
+    kernel modules it imports from (KERNEL_IMPORTS) are loaded interpreted
+    too and stand in for ``ple.kernels.<name>`` while it loads; the real ones
+    are imported first, so that no later import of the operators binds an
+    interpreted kernel (on a GPU that fails to compile)."""
+    dependencies = {f"ple.kernels.{name}": path.parent / f"{name}.py"
+                    for name in KERNEL_IMPORTS.get(path.stem, ())}
+    real = {name: importlib.import_module(name) for name in [*dependencies, f"ple.kernels.{path.stem}"]}
     old_env = os.environ.get("TRITON_INTERPRET")
     os.environ["TRITON_INTERPRET"] = "1"
-    replaced = {name: sys.modules.get(name) for name in stand_ins or {}}
     try:
-        for name, dependency in (stand_ins or {}).items():
+        for name, dependency in dependencies.items():
             sys.modules[name] = load_module(f"_interpreted_{Path(dependency).stem}_for_{path.stem}", dependency)
         return load_module(f"_interpreted_{path.stem}", path)
     finally:
-        for name, module in replaced.items():
-            if module is None:
-                sys.modules.pop(name, None)
-            else:
-                sys.modules[name] = module
+        sys.modules.update(real)
         if old_env is None:
             os.environ.pop("TRITON_INTERPRET", None)
         else:

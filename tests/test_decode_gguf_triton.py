@@ -57,9 +57,7 @@ F16_SPECIAL_BITS = (0x0000, 0x8000, 0x0001, 0x83FF, 0x0400, 0x7BFF, 0xFBFF, 0x3C
 def interp():
     """The kernel module with its kernels interpreted (helpers.load_interpreted);
     its ``from ple.kernels.decode_triton import ...`` gets interpreted functions too."""
-    mod = load_interpreted(KERNELS / "decode_gguf_triton.py",
-                           {"ple.kernels.tier_rows_triton": KERNELS / "tier_rows_triton.py",
-                            "ple.kernels.decode_triton": KERNELS / "decode_triton.py"})
+    mod = load_interpreted(KERNELS / "decode_gguf_triton.py")
     assert type(mod.decode_blocks_kernel).__name__ == "InterpretedFunction"
     assert type(mod.f32_to_bf16_rne).__name__ == "InterpretedFunction"
     return mod

@@ -30,13 +30,12 @@ from helpers import (COMPILE_CCS, OUT_SIGNATURE, assert_runs_on_old_gpus, assert
                      compile_for_targets, dtype_id, load_interpreted)
 
 KERNEL_FILE = Path(ple.kernels.__file__).parent / "decode_triton.py"
-TIER_ROWS_FILE = Path(ple.kernels.__file__).parent / "tier_rows_triton.py"
 FORMAT_NAMES = ("f32", "f16", "bf16", "fp8_e4m3fn", "u8", "i8")
 COLS = (1, 17, 160, 1000)
 @pytest.fixture(scope="module")
 def interp():
     """The kernel module with its kernels interpreted (helpers.load_interpreted)."""
-    mod = load_interpreted(KERNEL_FILE, {"ple.kernels.tier_rows_triton": TIER_ROWS_FILE})
+    mod = load_interpreted(KERNEL_FILE)
     assert type(mod.decode_rows_kernel).__name__ == "InterpretedFunction"
     assert type(mod.call_row).__name__ == "InterpretedFunction"
     return mod

@@ -38,10 +38,8 @@ def interpreted():
     """The tier module and both decoders, their kernels interpreted; the
     decoders import the interpreted tier module."""
     pytest.importorskip("triton")
-    tier_rows = {"ple.kernels.tier_rows_triton": KERNELS / "tier_rows_triton.py"}
-    rows = load_interpreted(KERNELS / "decode_triton.py", tier_rows)
-    blocks = load_interpreted(KERNELS / "decode_gguf_triton.py",
-                              {**tier_rows, "ple.kernels.decode_triton": KERNELS / "decode_triton.py"})
+    rows = load_interpreted(KERNELS / "decode_triton.py")
+    blocks = load_interpreted(KERNELS / "decode_gguf_triton.py")
     tiers = load_interpreted(KERNELS / "tier_rows_triton.py")
     for kernel in (rows.decode_rows_kernel, blocks.decode_blocks_kernel, tiers.call_row,
                    tiers.check_ids_kernel):
