@@ -262,7 +262,8 @@ def load_interpreted(path: Path) -> ModuleType:
     interpreted kernel (on a GPU that fails to compile)."""
     dependencies = {f"ple.kernels.{name}": path.parent / f"{name}.py"
                     for name in KERNEL_IMPORTS.get(path.stem, ())}
-    real = {name: importlib.import_module(name) for name in [*dependencies, f"ple.kernels.{path.stem}"]}
+    real = {name: importlib.import_module(name)
+            for name in [*dependencies, f"ple.kernels.{path.stem}"]}
     old_env = os.environ.get("TRITON_INTERPRET")
     os.environ["TRITON_INTERPRET"] = "1"
     try:

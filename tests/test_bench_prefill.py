@@ -101,6 +101,23 @@ def test_an_arm_past_its_deadline_is_reported_as_timed_out(quick, tokens_file):
     assert "timed out (killed at 0 s): window" in proc.stdout
 
 
+def test_a_timed_out_arm_reports_its_chunks_and_what_it_had_read():
+    reads = {"read_bytes": 3 * 2**20, "pages": 9, "major_faults": 1, "row_cache_hits": 0,
+             "prefetch_hits": 2, "direct_reads": 0, "io_backend": "mmap"}
+    chunks = [{"chunk": 0, "forward_s": 1.5, "compute_s": 0.25,
+               "reads": {**reads, "prefetch_hits": 1}},
+              {"chunk": 1, "forward_s": 1.0, "compute_s": 0.25, "reads": reads}]
+    record = bench_prefill.timed_out_record("lookahead", 5.0, chunks)
+    assert record["per_chunk_s"] == [1.75, 1.25] and record["seconds_done"] == 3.0
+    assert record["reads_done"] == reads
+    assert bench_prefill.arm_line(record, 4) == (
+        f"{'lookahead':<18} TIMED OUT after 5 s (2 of 4 chunks, 3.0 s; by then 3.0 MiB read, "
+        "2 prefetch hits)")
+    nothing = bench_prefill.timed_out_record("compute", 5.0, [])
+    assert bench_prefill.arm_line(nothing, 4) == (
+        f"{'compute':<18} TIMED OUT after 5 s (0 of 4 chunks, 0.0 s)")
+
+
 def test_through_a_model_lookahead_gives_the_same_first_token(quick, tokens_file):
     pytest.importorskip("transformers.models.qwen4_exp", reason="transformers has no Qwen4Exp")
     _, _, table = quick

@@ -55,7 +55,8 @@ Before each arm the table's pages are dropped from the page cache.  Under
 memory.high = the limit, plus the row cache's MiB for a direct-cache arm)
 with --ballast MiB of touched anonymous memory.  An arm still running after
 --deadline seconds is killed and reported as timed out, with the chunks it
-had done; every arm is printed as it ends.
+had done, their times and what it had read by the last of them (bytes,
+prefetch hits); every arm is printed as it ends.
 
 --compute-ms N runs a busy compute stand-in after each chunk's forward
 (CUDA: matmuls calibrated to N ms, then a synchronize; CPU: a busy loop of
@@ -326,15 +327,16 @@ def run_model_arm(spec: dict, model, write_line) -> dict:
     prompt = torch.from_numpy(np.load(spec["tokens_path"])).view(1, -1).to(spec["device"])
     marks = []
 
+    before = table.stats() if table else {}
+    read0 = disk_read_bytes()
+
     def mark_chunk(*_):
         marks.append(time.perf_counter())
         if len(marks) > 1:
             write_line({"chunk": len(marks) - 2, "forward_s": marks[-1] - marks[-2],
-                        "compute_s": 0.0})
+                        "compute_s": 0.0, "reads": reads_record(table, before, read0)})
 
     hook = model.register_forward_pre_hook(mark_chunk)
-    before = table.stats() if table else {}
-    read0 = disk_read_bytes()
     start = time.perf_counter()
     with torch.no_grad():
         out = model.generate(prompt, max_new_tokens=1, do_sample=False,
@@ -399,7 +401,8 @@ def run_arm(spec: dict, table, write_line) -> dict:
             t2 = time.perf_counter()
             forward_s, compute_s = forward_s + t1 - t0, compute_s + t2 - t1
             digest.update(rows.cpu().view(torch.int16).numpy().tobytes())  # untimed
-            write_line({"chunk": index, "forward_s": t1 - t0, "compute_s": t2 - t1})
+            write_line({"chunk": index, "forward_s": t1 - t0, "compute_s": t2 - t1,
+                        "reads": reads_record(table, before, read0)})
     finally:
         if spec["arm"] == LOOKAHEAD:
             layer.end_lookahead()
@@ -476,9 +479,7 @@ def run_arm_child(args, arm: str, index: int, paths, tokens_path: Path) -> dict:
             result["per_chunk_s"] = [c["forward_s"] + c["compute_s"] for c in chunks]
             return result
         if run.timed_out:
-            return {"arm": arm, "timed_out": True, "deadline_s": args.deadline,
-                    "chunks_done": len(chunks),
-                    "seconds_done": sum(c["forward_s"] + c["compute_s"] for c in chunks)}
+            return timed_out_record(arm, args.deadline, chunks)
         kills = group.oom_kills() if group else 0
         return {"arm": arm, "error": f"the child exited with {run.code}"
                 + (f" ({kills} OOM kill(s) in its cgroup)" if kills else ""),
@@ -488,10 +489,24 @@ def run_arm_child(args, arm: str, index: int, paths, tokens_path: Path) -> dict:
             group.remove()
 
 
+def timed_out_record(arm: str, deadline_s: float, chunks: list[dict]) -> dict:
+    """An arm killed at its deadline: the chunks it finished (their lines),
+    their times, and what it had read by the last of them."""
+    per_chunk = [c["forward_s"] + c["compute_s"] for c in chunks]
+    return {"arm": arm, "timed_out": True, "deadline_s": deadline_s, "chunks_done": len(chunks),
+            "seconds_done": sum(per_chunk), "per_chunk_s": per_chunk,
+            "reads_done": chunks[-1]["reads"] if chunks else None}
+
+
 def arm_line(r: dict, chunks: int) -> str:
     if r.get("timed_out"):
+        done = r["reads_done"]
+        hits = None if done is None else done["prefetch_hits"]
+        reads = "" if done is None else (
+            f"; by then {done['read_bytes'] / MiB:.1f} MiB read"
+            + ("" if hits is None else f", {hits:,} prefetch hits"))
         return (f"{r['arm']:<18} TIMED OUT after {r['deadline_s']:.0f} s "
-                f"({r['chunks_done']} of {chunks} chunks, {r['seconds_done']:.1f} s)")
+                f"({r['chunks_done']} of {chunks} chunks, {r['seconds_done']:.1f} s{reads})")
     if "error" in r:
         return f"{r['arm']:<18} FAILED: {r['error']} ({r['chunks_done']} chunks done)"
     per = sorted(r["per_chunk_s"]) or [0.0]
