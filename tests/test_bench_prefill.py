@@ -118,6 +118,23 @@ def test_a_timed_out_arm_reports_its_chunks_and_what_it_had_read():
         f"{'compute':<18} TIMED OUT after 5 s (0 of 4 chunks, 0.0 s)")
 
 
+def test_the_partial_goal_check_compares_the_chunks_every_arm_finished():
+    def arm(name, per_chunk, **more):
+        return {"arm": name, "per_chunk_s": per_chunk, **more}
+
+    results = [arm("reads", [0.25, 0.25, 0.25], sha256="r"),
+               arm("compute", [1.0, 1.5], timed_out=True),
+               arm("lookahead", [1.0, 1.75, 2.0], timed_out=True),
+               arm("window", [1.5, 1.5, 1.5, 1.5], sha256="w")]
+    assert bench_prefill.goal_check(results, True) is None
+    check = bench_prefill.partial_goal_check(results)
+    assert check == {"chunks": 2, "compute_alone_s": 2.5, "reads_alone_s": 0.5,
+                     "no_lookahead_s": 3.0, "lookahead_s": 2.75,
+                     "lookahead_over_no_lookahead": 2.75 / 3.0, "lookahead_over_max": 2.75 / 2.5}
+    assert bench_prefill.partial_goal_check(results[:3]) is None  # no window arm
+    assert bench_prefill.partial_goal_check([*results[:3], arm("window", [])]) is None
+
+
 def test_through_a_model_lookahead_gives_the_same_first_token(quick, tokens_file):
     pytest.importorskip("transformers.models.qwen4_exp", reason="transformers has no Qwen4Exp")
     _, _, table = quick
