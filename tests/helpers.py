@@ -258,12 +258,11 @@ def load_interpreted(path: Path) -> ModuleType:
     load only: the operators' own copies of the kernels stay compiled.  The
     kernel modules it imports from (KERNEL_IMPORTS) are loaded interpreted
     too and stand in for ``ple.kernels.<name>`` while it loads; the real ones
-    are imported first, so that no later import of the operators binds an
-    interpreted kernel (on a GPU that fails to compile)."""
+    are imported first and put back after, so that no import of the
+    operators binds an interpreted kernel (on a GPU that fails to compile)."""
     dependencies = {f"ple.kernels.{name}": path.parent / f"{name}.py"
                     for name in KERNEL_IMPORTS.get(path.stem, ())}
-    real = {name: importlib.import_module(name)
-            for name in [*dependencies, f"ple.kernels.{path.stem}"]}
+    real = {name: importlib.import_module(name) for name in dependencies}
     old_env = os.environ.get("TRITON_INTERPRET")
     os.environ["TRITON_INTERPRET"] = "1"
     try:

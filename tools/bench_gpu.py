@@ -207,9 +207,7 @@ def graph_with_tiers_us(table, requests: list, expected, calls: int) -> float:
     torch.cuda.synchronize()
     assert torch.equal(outputs[-1].view(torch.int16), expected.view(torch.int16)), \
         "the graph over the tiers changed the rows"
-    us = median_us(lambda i: graph.replay(), calls, lambda i: static_ids.copy_(requests[i]))
-    del graph
-    return us
+    return median_us(lambda i: graph.replay(), calls, lambda i: static_ids.copy_(requests[i]))
 
 
 def host_overhead(table, calls: int, gen: torch.Generator, device) -> dict[str, dict[str, float]]:

@@ -478,7 +478,7 @@ def run_arm_child(args, arm: str, index: int, paths, tokens_path: Path) -> dict:
         chunks = [line for line in run.lines if "chunk" in line]
         result = next((line["result"] for line in run.lines if "result" in line), None)
         if result is not None and run.code == 0:
-            result["per_chunk_s"] = [c["forward_s"] + c["compute_s"] for c in chunks]
+            result["per_chunk_s"] = chunk_seconds(chunks)
             return result
         if run.timed_out:
             return timed_out_record(arm, args.deadline, chunks)
@@ -491,10 +491,15 @@ def run_arm_child(args, arm: str, index: int, paths, tokens_path: Path) -> dict:
             group.remove()
 
 
+def chunk_seconds(chunks: list[dict]) -> list[float]:
+    """Each chunk's time (its line's forward and compute)."""
+    return [c["forward_s"] + c["compute_s"] for c in chunks]
+
+
 def timed_out_record(arm: str, deadline_s: float, chunks: list[dict]) -> dict:
     """An arm killed at its deadline: the chunks it finished (their lines),
     their times, and what it had read by the last of them."""
-    per_chunk = [c["forward_s"] + c["compute_s"] for c in chunks]
+    per_chunk = chunk_seconds(chunks)
     return {"arm": arm, "timed_out": True, "deadline_s": deadline_s, "chunks_done": len(chunks),
             "seconds_done": sum(per_chunk), "per_chunk_s": per_chunk,
             "reads_done": chunks[-1]["reads"] if chunks else None}
