@@ -173,3 +173,92 @@ def test_real_text_is_tokenized_with_gpt2s_bpe(tmp_path):
     assert (np.load(tmp_path / "t.npy") == tokens).all() and tokens.max() < 50257
     # GPT-2's ids of a known phrase
     assert bench_prefill.gpt2(bench_prefill.RANKS_CACHE).encode_ordinary("Hello world") == [15496, 995]
+
+
+@pytest.fixture(scope="module")
+def tiny_qwen4_exp():
+    """A 3-layer Qwen4Exp as ple-bench-prefill builds it, in float32 on the
+    CPU, with an indexer budget small enough that its queries choose among
+    blocks (8 blocks of 4 keys)."""
+    pytest.importorskip("transformers.models.qwen4_exp", reason="transformers has no Qwen4Exp")
+    from transformers import Qwen4ExpForCausalLM
+
+    from ple_tools import prefill_model
+
+    config = prefill_model.flash_next_config(layers=3, experts=2, hidden=64, base=1000, shards=8,
+                                             hashing=bench_prefill.FLASH_NEXT)
+    config.indexer_budget = 32
+    torch.manual_seed(0)
+    return Qwen4ExpForCausalLM(config).eval()
+
+
+def indexer_calls(model, batched: bool, run) -> tuple[list, object, int]:
+    """Runs ``run()`` with the model's QSA indexer transformers' own or
+    batched; returns the indexer's inputs and output of each call, what
+    ``run`` returned, and how many times it pooled blocks' keys (transformers'
+    loop pools them once a query, the batched indexer once a row of the batch)."""
+    from transformers.models.qwen4_exp.modeling_qwen4_exp import Qwen4ExpTextQSAIndexer
+
+    from ple_tools import prefill_model
+
+    indexer = next(m for m in model.modules() if isinstance(m, Qwen4ExpTextQSAIndexer))
+    calls, poolings = [], []
+    indexer.__class__ = prefill_model.batched_qsa_indexer() if batched else Qwen4ExpTextQSAIndexer
+    hooks = [indexer.register_forward_hook(lambda m, args, out: calls.append((args, out))),
+             indexer.k_layernorm.register_forward_hook(lambda m, args, out: poolings.append(1))]
+    try:
+        with torch.no_grad():
+            out = run()
+    finally:
+        for hook in hooks:
+            hook.remove()
+        indexer.__class__ = Qwen4ExpTextQSAIndexer
+    return calls, out, len(poolings)
+
+
+def test_the_batched_qsa_indexer_keeps_the_keys_transformers_keeps(tiny_qwen4_exp):
+    """A chunked prefill (the cache's keys come first) and a left-padded
+    batch: every selection mask and the logits equal transformers' loop,
+    which the batched indexer does not take for them."""
+    model = tiny_qwen4_exp
+    prompt = torch.randint(1, 50_000, (1, 150), generator=torch.Generator().manual_seed(1))
+    padded = torch.randint(1, 50_000, (2, 90), generator=torch.Generator().manual_seed(2))
+    mask = torch.ones_like(padded)
+    mask[1, :37] = 0
+
+    def chunked():
+        out = model.generate(prompt, prefill_chunk_size=64, max_new_tokens=3, do_sample=False,
+                             output_logits=True, return_dict_in_generate=True)
+        return torch.stack(out.logits)
+
+    def batch():
+        return model(padded, attention_mask=mask).logits
+
+    # The prompt's 3 chunks and 2 decode steps, each pooling once; the batch's
+    # one forward, pooling once a row.
+    for run, forwards, poolings in ((chunked, 5, 5), (batch, 1, 2)):
+        ours, our_logits, our_poolings = indexer_calls(model, True, run)
+        theirs, their_logits, their_poolings = indexer_calls(model, False, run)
+        assert len(ours) == len(theirs) == forwards and our_poolings == poolings < their_poolings
+        for (_, a), (_, b) in zip(ours, theirs):
+            assert a.dtype == torch.bool and torch.equal(a, b)
+        assert torch.equal(our_logits, their_logits)
+    # Queries past the budget chose among blocks: not every visible key is kept.
+    (args, selected), = theirs
+    assert (selected.sum(-1) < args[2].sum(-1)).any()
+
+
+def test_the_batched_qsa_indexer_takes_transformers_loop_for_other_masks(tiny_qwen4_exp):
+    """A mask whose queries see windows, not prefixes of one order, goes
+    through transformers' loop and so gives its selection."""
+    model = tiny_qwen4_exp
+    prompt = torch.randint(1, 50_000, (1, 60), generator=torch.Generator().manual_seed(3))
+    causal = torch.ones(60, 60, dtype=torch.bool).tril()
+    windows = (causal & ~causal.tril(-41)).view(1, 1, 60, 60)
+    (args, _), = indexer_calls(model, False, lambda: model(prompt))[0]
+    indexer = next(m for m in model.modules() if type(m).__name__ == "Qwen4ExpTextQSAIndexer")
+    args = (*args[:2], windows, *args[3:])
+    theirs, _, _ = indexer_calls(model, False, lambda: indexer(*args))
+    ours, _, poolings = indexer_calls(model, True, lambda: indexer(*args))
+    assert poolings > 1 and torch.equal(ours[0][1], theirs[0][1])
+    assert not torch.equal(theirs[0][1], windows)

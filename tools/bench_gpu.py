@@ -14,8 +14,8 @@ Cold calls drop the table's pages first; the baseline's memmap is opened
 for its own calls only, so that no other mapping keeps the pages.  Then:
 a graph of one tiny kernel (the floor of a replay), the doorbell graph and
 the tiny kernel's graph replayed after pauses, the operator with the table
-in tiers, where the host time of one small eager call goes, and the copy
-bandwidths.
+in tiers (eager, and 16 rows replayed in a CUDA graph), where the host time
+of one small eager call goes, and the copy bandwidths.
 """
 
 from __future__ import annotations
@@ -186,10 +186,28 @@ def tier_rows(table, calls: int, gen: torch.Generator, device) -> list[dict]:
             row[f"{n}_us"] = median_us(
                 lambda i: torch.ops.ple.disk_gather(cuda_requests[i], table.handle, torch.bfloat16),
                 calls)
+        row["graph_us"] = graph_with_tiers_us(table, requests[SIZES[0]], expected[SIZES[0]], calls)
         results.append(row)
         print(f"  tiers {split} done", file=sys.stderr)
     table.place()
     return results
+
+
+def graph_with_tiers_us(table, requests: list, expected, calls: int) -> float:
+    """Median replay of a CUDA graph of the operator over the tiers placed now
+    (a graph keeps the tiers it captured), its ids set to each request in
+    turn; its first replay must give the expected rows."""
+    import torch
+
+    static_ids = requests[0].clone()
+    outputs = []
+    graph = capture(lambda: outputs.append(
+        torch.ops.ple.disk_gather(static_ids, table.handle, torch.bfloat16)))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(outputs[-1].view(torch.int16), expected.view(torch.int16)), \
+        "the graph over the tiers changed the rows"
+    return median_us(lambda i: graph.replay(), calls, lambda i: static_ids.copy_(requests[i]))
 
 
 def host_overhead(table, calls: int, gen: torch.Generator, device) -> dict[str, dict[str, float]]:
@@ -419,10 +437,13 @@ def report(machine: dict, results: list[dict], tiers: list[dict], host: dict) ->
     print("graph of one tiny kernel, replayed after a pause:   "
           + pauses_text(machine["tiny_graph_pauses"]))
     print(f"\ntiers (warm, eager, median us): {'split':<7} {'device_rows':>12} {'host_rows':>12} "
-          f"{'place_s':>8} " + " ".join(f"{n:>9}" for n in SIZES))
+          f"{'place_s':>8} " + " ".join(f"{n:>9}" for n in SIZES) + f" {'graph_' + str(SIZES[0]):>9}")
     for r in tiers:
         print(f"{'':<30} {r['split']:<7} {r['device_rows']:>12,} {r['host_rows']:>12,} "
-              f"{r['place_s']:>8.1f} " + " ".join(f"{r[f'{n}_us']:>9.1f}" for n in SIZES))
+              f"{r['place_s']:>8.1f} " + " ".join(f"{r[f'{n}_us']:>9.1f}" for n in SIZES)
+              + f" {r['graph_us']:>9.1f}")
+    print(f"{'':<30} graph_{SIZES[0]}: one replay of a CUDA graph captured with the split "
+          "placed (the doorbell rings the host gather of rows not resident)")
     print(f"\nhost time of one eager call of {SIZES[0]} warm rows (median us, no sync; a torch "
           f"kernel launch: {host['torch_launch_us']:.1f}):")
     for source in ("device_tier", "page_cache"):
