@@ -192,6 +192,12 @@ def tiny_qwen4_exp():
     return Qwen4ExpForCausalLM(config).eval()
 
 
+def qsa_indexer(model):
+    from transformers.models.qwen4_exp.modeling_qwen4_exp import Qwen4ExpTextQSAIndexer
+
+    return next(m for m in model.modules() if isinstance(m, Qwen4ExpTextQSAIndexer))
+
+
 def indexer_calls(model, batched: bool, run) -> tuple[list, object, int]:
     """Runs ``run()`` with the model's QSA indexer transformers' own or
     batched; returns the indexer's inputs and output of each call, what
@@ -201,7 +207,7 @@ def indexer_calls(model, batched: bool, run) -> tuple[list, object, int]:
 
     from ple_tools import prefill_model
 
-    indexer = next(m for m in model.modules() if isinstance(m, Qwen4ExpTextQSAIndexer))
+    indexer = qsa_indexer(model)
     calls, poolings = [], []
     indexer.__class__ = prefill_model.batched_qsa_indexer() if batched else Qwen4ExpTextQSAIndexer
     hooks = [indexer.register_forward_hook(lambda m, args, out: calls.append((args, out))),
@@ -256,7 +262,7 @@ def test_the_batched_qsa_indexer_takes_transformers_loop_for_other_masks(tiny_qw
     causal = torch.ones(60, 60, dtype=torch.bool).tril()
     windows = (causal & ~causal.tril(-41)).view(1, 1, 60, 60)
     (args, _), = indexer_calls(model, False, lambda: model(prompt))[0]
-    indexer = next(m for m in model.modules() if type(m).__name__ == "Qwen4ExpTextQSAIndexer")
+    indexer = qsa_indexer(model)
     args = (*args[:2], windows, *args[3:])
     theirs, _, _ = indexer_calls(model, False, lambda: indexer(*args))
     ours, _, poolings = indexer_calls(model, True, lambda: indexer(*args))

@@ -32,8 +32,7 @@ Arms (--arms, in this order by default):
 layers with random weights (ple_tools.prefill_model: transformers'
 Qwen4ExpForCausalLM with its QSA indexer batched over the queries,
 --model-hidden wide, --model-experts experts, in bfloat16 on --device) whose
-PLE layer is the n-gram layer above, its table
-served by ple: each arm is ``model.generate(prompt, prefill_chunk_size=
+PLE layer is the n-gram layer above, its table served by ple: each arm is ``model.generate(prompt, prefill_chunk_size=
 --chunk, max_new_tokens=1)``, timed to its first token, as a user of ple's
 transformers integration runs it.  The arms then are:
 
