@@ -7,7 +7,14 @@ host time on an H200 host, more than the rest of the launch.  Here the
 compiled kernel of the first launch is kept under a key of its own that
 determines that specialization (the device, the pointers' dtypes and
 alignments, the integers' exact values, the constexprs and options), and a
-later launch of the same key calls the compiled kernel directly.
+later launch of the same key launches that compiled kernel directly.
+
+"Directly" is torch's static launcher where torch has one for the kernel
+(``torch._inductor``'s ``StaticallyLaunchedCudaKernel``, what
+``torch.compile`` launches its own Triton kernels with): one call into
+torch's C++ that packs the arguments and calls ``cuLaunchKernel``.  Triton's
+compiled-kernel launch, the fallback, runs several Python frames first
+(scratch allocation, launch hooks, metadata) before its own C launcher.
 
 Under the Triton interpreter (the CPU tests) nothing is compiled, and every
 launch goes through it.
@@ -27,7 +34,7 @@ class LaunchCache:
 
     def __init__(self, kernel):
         self.kernel = kernel
-        self._compiled: dict[tuple, object] = {}
+        self._launchers: dict[tuple, object] = {}
         params = getattr(kernel, "params", None)
         if params is None:  # the interpreter's kernel: nothing is compiled
             self.constexpr_names = None
@@ -44,12 +51,86 @@ class LaunchCache:
             self.kernel[grid](*args, **meta)
             return
         key = (device, *map(_specialization, args), *meta.items())
-        compiled = self._compiled.get(key)
-        if compiled is not None:
-            compiled[grid](*args, *(meta[name] for name in self.constexpr_names),
-                           stream=torch._C._cuda_getCurrentRawStream(device))
+        launcher = self._launchers.get(key)
+        if launcher is not None:
+            launcher(grid, args, torch._C._cuda_getCurrentRawStream(device))
             return
-        self._compiled[key] = self.kernel[grid](*args, **meta)
+        compiled = self.kernel[grid](*args, **meta)
+        constexprs = tuple(meta[name] for name in self.constexpr_names)
+        self._launchers[key] = (static_launcher(compiled, len(args))
+                                or TritonLaunch(compiled, constexprs))
+
+    def launchers(self) -> list:
+        """The launchers made so far, one a specialization."""
+        return list(self._launchers.values())
+
+
+class TritonLaunch:
+    """A launch of a compiled kernel through Triton's own launcher."""
+
+    def __init__(self, compiled, constexprs: tuple):
+        self.compiled = compiled
+        self.constexprs = constexprs
+
+    def __call__(self, grid: tuple[int, int, int], args: tuple, stream: int) -> None:
+        self.compiled[grid](*args, *self.constexprs, stream=stream)
+
+
+class StaticLaunch:
+    """A launch of a compiled kernel through torch's static launcher: the
+    arguments the kernel takes (``kept``: their positions among a launch's
+    arguments, None for all; an integer argument the compiler made a
+    constant is not passed)."""
+
+    def __init__(self, static, kept: tuple[int, ...] | None):
+        self.run = static.run
+        self.kept = kept
+
+    def __call__(self, grid: tuple[int, int, int], args: tuple, stream: int) -> None:
+        if self.kept is not None:
+            args = [args[i] for i in self.kept]
+        self.run(*grid, stream, *args)
+
+
+def static_launcher(compiled, num_args: int) -> StaticLaunch | None:
+    """torch's static launcher of ``compiled`` (launched with ``num_args``
+    arguments before its constexprs), or None where torch cannot launch it
+    (a CPU build of torch, launch hooks set, scratch memory, several CTAs,
+    an argument type it does not know)."""
+    if not hasattr(torch._C, "_StaticCudaLauncher") or "cubin" not in getattr(compiled, "asm", {}):
+        return None
+    try:
+        from torch._inductor.runtime.static_triton_launcher import StaticallyLaunchedCudaKernel
+    except ImportError:  # torch before 2.13
+        try:
+            from torch._inductor.runtime.static_cuda_launcher import StaticallyLaunchedCudaKernel
+        except ImportError:
+            return None
+    compiled._init_handles()  # loads the kernel: its function handle is launched
+    if not hasattr(compiled, "_cubin_path"):
+        compiled._cubin_path = None  # read by the constructor; the kernel is never loaded again
+    try:
+        static = StaticallyLaunchedCudaKernel(compiled)
+    except (NotImplementedError, KeyError):
+        return None
+    static.function = compiled.function
+    kept = _passed_args(compiled.src, num_args)
+    if len(kept) != len(static.arg_tys):
+        return None
+    return StaticLaunch(static, None if kept == tuple(range(num_args)) else kept)
+
+
+def _passed_args(src, num_args: int) -> tuple[int, ...]:
+    """The positions, among the first ``num_args`` parameters, of those the
+    compiled kernel takes: not constexpr, by declaration or specialization."""
+    names = src.fn.arg_names
+
+    def position(key) -> int:
+        return names.index(key) if isinstance(key, str) else key[0] if isinstance(key, tuple) else key
+
+    constants = {position(key) for key in getattr(src, "constants", {})}
+    types = {position(key): ty for key, ty in src.signature.items()}
+    return tuple(i for i in range(num_args) if types.get(i) != "constexpr" and i not in constants)
 
 
 def _specialization(arg) -> object:
