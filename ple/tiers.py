@@ -142,7 +142,8 @@ class Tiers:
         from .kernels.tier_rows_triton import TierRead, check_ids  # needs triton: CUDA only
 
         self.captured |= capturing
-        ids = ids.reshape(-1).contiguous()  # the kernels index the ids as a dense vector
+        if ids.dim() != 1 or not ids.is_contiguous():
+            ids = ids.reshape(-1).contiguous()  # the kernels index the ids as a dense vector
         tier_read = TierRead(ids, self.device_table, self.host_table, self.first_row, num_rows,
                              self.hits_on(ids.device), report)
         if report is not None and not tier_read.scan_ids:

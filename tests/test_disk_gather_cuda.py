@@ -119,6 +119,13 @@ def test_launches_like_earlier_ones_with_other_alignments_tiers_and_dtypes(fp8_t
                                 torch.ops.ple.disk_gather(ids[view], fp8_table.handle, dtype))
     finally:
         fp8_table.place()
+    # Where torch has a static launcher, the decoder's launches went through it.
+    if hasattr(torch._C, "_StaticCudaLauncher"):
+        from ple.kernels.decode_triton import _launches, decode_rows_kernel
+        from ple.kernels.launch_cache import StaticLaunch
+
+        launchers = _launches(decode_rows_kernel).launchers()
+        assert launchers and {type(launcher) for launcher in launchers} == {StaticLaunch}
 
 
 def test_large_request_through_the_device_copy(fp8_table):

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 pytest.importorskip("triton")
-from ple.kernels.launch_cache import LaunchCache  # noqa: E402
+from ple.kernels.launch_cache import LaunchCache, StaticLaunch, _passed_args  # noqa: E402
 
 
 class Compiled:
@@ -55,6 +55,7 @@ def test_a_launch_like_an_earlier_one_calls_its_compiled_kernel(stream):
     _, got_grid, args, stream_id = kernel.launches[1]
     # The constexprs follow the arguments; the options are the compiled kernel's own.
     assert got_grid == grid and args[1:] == (7, pytest.approx(float("nan"), nan_ok=True), 16)
+    assert args[0] == x.data_ptr()  # a tensor goes as its address, read once
     assert stream_id == 1000
 
 
@@ -77,3 +78,26 @@ def test_a_launch_that_specializes_otherwise_goes_through_the_jit(stream, change
 def test_constexprs_must_come_last():
     with pytest.raises(ValueError, match="constexpr parameters must come last"):
         LaunchCache(Kernel(["BLOCK", "x"], {"BLOCK"}))
+
+
+def test_without_torchs_static_launcher_the_compiled_kernel_launches_through_triton(stream):
+    # This torch (a CPU build in CI) has no static launcher, or the stand-in
+    # is no kernel it can launch: the launch goes through Triton's.
+    kernel = Kernel(["x", "BLOCK"], {"BLOCK"})
+    cache = LaunchCache(kernel)
+    x = torch.zeros(64, dtype=torch.uint8)
+    cache.launch((1, 1, 1), (x,), 0, BLOCK=16)
+    assert [type(launcher).__name__ for launcher in cache.launchers()] == ["TritonLaunch"]
+
+
+def test_a_static_launch_passes_only_the_arguments_the_compiled_kernel_takes():
+    runs = []
+    static = SimpleNamespace(run=lambda *args: runs.append(args))
+    # "n" was 1 at compile time: the compiler made it a constant.
+    src = SimpleNamespace(fn=SimpleNamespace(arg_names=["x", "n", "scale", "BLOCK"]),
+                          signature={"x": "*u8", "n": "constexpr", "scale": "fp32",
+                                     "BLOCK": "constexpr"}, constants={(1,): 1, (3,): 16})
+    kept = _passed_args(src, 3)
+    assert kept == (0, 2)
+    StaticLaunch(static, kept)((4, 2, 1), [1234, 1, 0.5], 99)
+    assert runs == [(4, 2, 1, 99, 1234, 0.5)]

@@ -71,8 +71,10 @@ ratios over the first chunks that all four finished, as not the goals.
 Per arm: time (total, forwards, compute, per chunk), distinct pages the
 gathers touched (summed over chunks: Table.stats' unique_pages) against the
 prompt's distinct pages, bytes read from disk (/proc/self/io), major faults,
-row-cache hits, prefetch hits (docs/counters.md), and the SHA-256 of the
-output rows (bf16, in prompt order).  Every finished arm must give the same
+row-cache hits, prefetch hits (docs/counters.md), the SHA-256 of the
+output rows (bf16, in prompt order), and under --memory-limit the cgroup's
+peak and the seconds its tasks stalled on memory (PSI: reclaim, and
+memory.high's throttling, which can hold a task for up to 2 s).  Every finished arm must give the same
 SHA-256: the tool exits 1 when they differ or an arm fails (a timed-out arm
 is reported, not failed).
 
@@ -448,7 +450,8 @@ def child_main(spec_json: str) -> None:
             record = run_arm(spec, table, lambda line: write_line(spec, line))
     if group is not None:
         record["cgroup"] = {"limit_bytes": group.limit, "ballast_bytes": spec["ballast"],
-                            "peak": group.peak(), "oom_kills": group.oom_kills()}
+                            "peak": group.peak(), "oom_kills": group.oom_kills(),
+                            "memory_stall_s": group.memory_stall_s()}
     write_line(spec, {"result": record})
 
 

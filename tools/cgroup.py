@@ -91,6 +91,16 @@ class MemoryCgroup:
         return next((int(line.split()[1]) for line in text.splitlines()
                      if line.startswith("oom_kill ")), 0)
 
+    def memory_stall_s(self) -> float | None:
+        """Seconds that some task of the cgroup stalled on memory (reclaim,
+        and the throttling of memory.high among it): cgroup v2's PSI
+        ``memory.pressure``; None where the kernel keeps none."""
+        try:
+            some = self.read("memory.pressure").splitlines()[0]
+        except (OSError, IndexError):
+            return None
+        return int(some.rsplit("total=", 1)[1]) / 1e6
+
     def usage(self) -> int:
         return int(self.read("memory.current" if self.version == 2 else "memory.usage_in_bytes"))
 
