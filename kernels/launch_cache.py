@@ -30,7 +30,7 @@ import torch
 
 
 class LaunchCache:
-    """``launch(grid, args, stream, **meta)`` for one ``@triton.jit`` kernel
+    """``launch(grid, args, device, **meta)`` for one ``@triton.jit`` kernel
     whose constexpr parameters come after all the others (``meta``: those
     constexprs and compile options such as ``enable_fp_fusion``)."""
 
@@ -52,15 +52,16 @@ class LaunchCache:
         if self.constexpr_names is None:
             self.kernel[grid](*args, **meta)
             return
-        key, values = _specialization(args)
-        launcher = self._launchers.get((device, *key, *meta.items()))
+        specialization, values = _specialization(args)
+        key = (device, *specialization, *meta.items())
+        launcher = self._launchers.get(key)
         if launcher is not None:
             launcher(grid, values, torch._C._cuda_getCurrentRawStream(device))
             return
         compiled = self.kernel[grid](*args, **meta)
         constexprs = tuple(meta[name] for name in self.constexpr_names)
-        self._launchers[(device, *key, *meta.items())] = (static_launcher(compiled, len(args))
-                                                          or TritonLaunch(compiled, constexprs))
+        self._launchers[key] = (static_launcher(compiled, len(args))
+                                or TritonLaunch(compiled, constexprs))
 
     def launchers(self) -> list:
         """The launchers made so far, one a specialization."""
