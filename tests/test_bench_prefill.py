@@ -135,6 +135,22 @@ def test_the_partial_goal_check_compares_the_chunks_every_arm_finished():
     assert bench_prefill.partial_goal_check([*results[:3], arm("window", [])]) is None
 
 
+def test_the_goal_check_through_a_model_names_the_least_any_overlap_takes():
+    # Reads 2, 2, 1 s back to back; chunk 1 computes 1 s from 2 s on, chunk 2
+    # (its reads done at 4 s) from 4 to 5 s, chunk 3 from 5 to 8 s.
+    assert bench_prefill.overlap_bound([1.0, 1.0, 3.0], [2.0, 2.0, 1.0]) == 8.0
+    results = [{"arm": "compute", "seconds": 5.0, "per_chunk_s": [1.0, 1.0, 3.0], "sha256": "c"},
+               {"arm": "reads", "forward_s": 5.0, "per_chunk_s": [2.0, 2.0, 1.0], "sha256": "r"},
+               {"arm": "window", "seconds": 10.0, "sha256": "w"},
+               {"arm": "lookahead", "seconds": 8.8, "sha256": "w"}]
+    check = bench_prefill.goal_check(results, True)
+    assert check["overlap_bound_s"] == 8.0 and check["bound_over_no_lookahead"] == 0.8
+    assert check["lookahead_over_bound"] == pytest.approx(1.1)
+    assert bench_prefill.goal_line(check).endswith(
+        "; no overlap of these chunks takes less than 8.00 s (0.80x no lookahead), lookahead took "
+        "1.10x of that")
+
+
 def test_through_a_model_lookahead_gives_the_same_first_token(quick, tokens_file):
     pytest.importorskip("transformers.models.qwen4_exp", reason="transformers has no Qwen4Exp")
     _, _, table = quick

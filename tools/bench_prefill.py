@@ -64,7 +64,11 @@ N ms): a chunk then costs its reads plus its compute, or, with lookahead,
 about the larger of them.  The tool prints compute alone and reads alone
 (the window arm's compute and forward times), no lookahead (the window
 arm's total) and lookahead, with the goal ratios: lookahead over no
-lookahead (goal <= 0.6) and over max(compute, reads) (goal <= 1.15).
+lookahead (goal <= 0.6) and over max(compute, reads) (goal <= 1.15);
+through a model also the least time any overlap of the chunks takes (the
+compute and reads arms' chunks, the reads back to back from the start, a
+chunk computing once its reads and the chunk before are done) and
+lookahead over it.
 Through a model, where one of those arms timed out, it prints the same
 ratios over the first chunks that all four finished, as not the goals.
 
@@ -546,8 +550,25 @@ def goal_check(results: list[dict], through_model: bool) -> dict | None:
     compute, reads = (by_arm.get(COMPUTE), by_arm.get(READS)) if through_model else (window, window)
     if None in (window, ahead, compute, reads):
         return None
-    return goal_ratios(compute["seconds" if through_model else "compute_s"], reads["forward_s"],
-                       window["seconds"], ahead["seconds"])
+    check = goal_ratios(compute["seconds" if through_model else "compute_s"], reads["forward_s"],
+                        window["seconds"], ahead["seconds"])
+    if through_model and len(compute.get("per_chunk_s", ())) == len(reads.get("per_chunk_s", ())) > 0:
+        bound = overlap_bound(compute["per_chunk_s"], reads["per_chunk_s"])
+        check.update(overlap_bound_s=bound, bound_over_no_lookahead=bound / window["seconds"],
+                     lookahead_over_bound=ahead["seconds"] / bound)
+    return check
+
+
+def overlap_bound(compute_chunks: list[float], reads_chunks: list[float]) -> float:
+    """The least time the chunks can take with their reads overlapped: the
+    reads back to back from the start, however far ahead, and each chunk's
+    compute once its reads and the chunk before are done (each chunk's
+    compute alone and reads alone, in prompt order)."""
+    read = done = 0.0
+    for compute, reads in zip(compute_chunks, reads_chunks):
+        read += reads
+        done = max(done, read) + compute
+    return done
 
 
 def partial_goal_check(results: list[dict]) -> dict | None:
@@ -574,7 +595,11 @@ def goal_line(check: dict) -> str:
             f"{check['reads_alone_s']:.2f} s, no lookahead {check['no_lookahead_s']:.2f} s, "
             f"lookahead {check['lookahead_s']:.2f} s: lookahead / no lookahead "
             f"{check['lookahead_over_no_lookahead']:.2f}x (goal <= 0.6), lookahead / "
-            f"max(compute, reads) {check['lookahead_over_max']:.2f}x (goal <= 1.15)")
+            f"max(compute, reads) {check['lookahead_over_max']:.2f}x (goal <= 1.15)"
+            + ("" if "overlap_bound_s" not in check else
+               f"; no overlap of these chunks takes less than {check['overlap_bound_s']:.2f} s "
+               f"({check['bound_over_no_lookahead']:.2f}x no lookahead), lookahead took "
+               f"{check['lookahead_over_bound']:.2f}x of that"))
 
 
 def parse_args(argv=None) -> argparse.Namespace:
