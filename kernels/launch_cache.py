@@ -107,7 +107,7 @@ def static_launcher(compiled, num_args: int) -> StaticLaunch | None:
     except ImportError:  # torch before 2.13
         try:
             from torch._inductor.runtime.static_cuda_launcher import StaticallyLaunchedCudaKernel
-        except ImportError:
+        except ImportError:  # a torch that moved it again: Triton's launcher serves
             return None
     compiled._init_handles()  # loads the kernel: its function handle is launched
     if not hasattr(compiled, "_cubin_path"):
@@ -128,8 +128,10 @@ def _passed_args(src, num_args: int) -> tuple[int, ...]:
     compiled kernel takes: not constexpr, by declaration or specialization."""
     names = src.fn.arg_names
 
-    def position(key) -> int:
-        return names.index(key) if isinstance(key, str) else key[0] if isinstance(key, tuple) else key
+    def position(key) -> int:  # a name, an index or a path of indices, by Triton's version
+        if isinstance(key, str):
+            return names.index(key)
+        return key[0] if isinstance(key, tuple) else key
 
     constants = {position(key) for key in getattr(src, "constants", {})}
     types = {position(key): ty for key, ty in src.signature.items()}

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 pytest.importorskip("triton")
-from ple.kernels.launch_cache import LaunchCache, StaticLaunch, _passed_args  # noqa: E402
+from ple.kernels.launch_cache import (  # noqa: E402
+    LaunchCache, StaticLaunch, TritonLaunch, _passed_args)
 
 
 class Compiled:
@@ -87,7 +88,7 @@ def test_without_torchs_static_launcher_the_compiled_kernel_launches_through_tri
     cache = LaunchCache(kernel)
     x = torch.zeros(64, dtype=torch.uint8)
     cache.launch((1, 1, 1), (x,), 0, BLOCK=16)
-    assert [type(launcher).__name__ for launcher in cache.launchers()] == ["TritonLaunch"]
+    assert [type(launcher) for launcher in cache.launchers()] == [TritonLaunch]
 
 
 def test_a_static_launch_passes_only_the_arguments_the_compiled_kernel_takes():

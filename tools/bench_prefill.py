@@ -32,9 +32,10 @@ Arms (--arms, in this order by default):
 layers with random weights (ple_tools.prefill_model: transformers'
 Qwen4ExpForCausalLM with its QSA indexer batched over the queries,
 --model-hidden wide, --model-experts experts, in bfloat16 on --device) whose
-PLE layer is the n-gram layer above, its table served by ple: each arm is ``model.generate(prompt, prefill_chunk_size=
---chunk, max_new_tokens=1)``, timed to its first token, as a user of ple's
-transformers integration runs it.  The arms then are:
+PLE layer is the n-gram layer above, its table served by ple: each arm is
+``model.generate(prompt, prefill_chunk_size=--chunk, max_new_tokens=1)``,
+timed to its first token, as a user of ple's transformers integration runs
+it.  The arms then are:
 
   compute         compute alone: the model with a small n-gram table of its
                   own (base 1,000) in device memory, no reads
@@ -78,9 +79,9 @@ prompt's distinct pages, bytes read from disk (/proc/self/io), major faults,
 row-cache hits, prefetch hits (docs/counters.md), the SHA-256 of the
 output rows (bf16, in prompt order), and under --memory-limit the cgroup's
 peak and the seconds its tasks stalled on memory (PSI: reclaim, and
-memory.high's throttling, which can hold a task for up to 2 s).  Every finished arm must give the same
-SHA-256: the tool exits 1 when they differ or an arm fails (a timed-out arm
-is reported, not failed).
+memory.high's throttling, which can hold a task for up to 2 s).  Every
+finished arm must give the same SHA-256: the tool exits 1 when they differ
+or an arm fails (a timed-out arm is reported, not failed).
 
 Real text: the first --tokens-count tokens of --text (default: the running
 Python's own documentation, ``pydoc_data.topics`` followed by the stdlib's
@@ -552,8 +553,9 @@ def goal_check(results: list[dict], through_model: bool) -> dict | None:
         return None
     check = goal_ratios(compute["seconds" if through_model else "compute_s"], reads["forward_s"],
                         window["seconds"], ahead["seconds"])
-    if through_model and len(compute.get("per_chunk_s", ())) == len(reads.get("per_chunk_s", ())) > 0:
-        bound = overlap_bound(compute["per_chunk_s"], reads["per_chunk_s"])
+    compute_chunks, reads_chunks = compute.get("per_chunk_s", ()), reads.get("per_chunk_s", ())
+    if through_model and len(compute_chunks) == len(reads_chunks) > 0:
+        bound = overlap_bound(compute_chunks, reads_chunks)
         check.update(overlap_bound_s=bound, bound_over_no_lookahead=bound / window["seconds"],
                      lookahead_over_bound=ahead["seconds"] / bound)
     return check
