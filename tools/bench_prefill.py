@@ -47,7 +47,8 @@ it.  The arms then are:
 
 The model is built and warmed up (a chunked prefill of 32 tokens) before
 the arm enters its memory cgroup (its CUDA context, weights and libraries
-are not charged to it); the arms through the model must
+are not charged to it, nor timed), and so is the layer of an arm without a
+model (a call of 32 tokens); the arms through the model must
 give the same first token and logits (their SHA-256), the reads arm the
 same rows as the arms of the layer alone.
 
@@ -311,6 +312,9 @@ def model_of(spec: dict, table_files):
                                lookahead_mib=ahead)
 
 
+WARM_UP_TOKENS = 32
+
+
 def warm_up(model, spec: dict) -> None:
     """A chunked prefill of a few tokens, outside the memory cgroup: the
     libraries and kernels the first forward loads (cuBLAS's among them,
@@ -318,9 +322,21 @@ def warm_up(model, spec: dict) -> None:
     they would throttle, nor timed."""
     import torch
 
-    prompt = torch.arange(1, 33, device=spec["device"]).view(1, -1)
+    prompt = torch.arange(1, WARM_UP_TOKENS + 1, device=spec["device"]).view(1, -1)
     with torch.no_grad():
         model.generate(prompt, max_new_tokens=1, do_sample=False, prefill_chunk_size=16)
+
+
+def warm_up_layer(layer, spec: dict) -> None:
+    """The layer arms' ``warm_up``: a call of a few tokens, so that an arm's
+    first chunk is not also the process's CUDA start and the decoder's first
+    launch (about a second on the H200)."""
+    import torch
+
+    device = torch.device(spec["device"])
+    layer(torch.arange(1, WARM_UP_TOKENS + 1, device=device))
+    if device.type == "cuda":
+        torch.cuda.synchronize()
 
 
 def run_model_arm(spec: dict, model, write_line) -> dict:
@@ -377,16 +393,15 @@ def reads_record(table, before: dict, read0: int) -> dict:
             "io_backend": table.io_backend if table else None}
 
 
-def run_arm(spec: dict, table, write_line) -> dict:
-    """Runs the prompt through the layer, chunk by chunk; writes a line per
+def run_arm(spec: dict, layer, write_line) -> dict:
+    """Runs the prompt through ``layer``, chunk by chunk; writes a line per
     chunk; returns the arm's record."""
     import numpy as np
     import torch
 
-    from ple.layers import NGramEmbedding
     from ple_tools.demo import disk_read_bytes
 
-    layer = NGramEmbedding(table, hashing_of(spec["ngram_base"]), dtype=torch.bfloat16)
+    table = layer.table
     tokens = torch.from_numpy(np.load(spec["tokens_path"]))
     compute = BusyCompute(spec["compute_ms"], spec["device"])
     chunk, ctx = spec["chunk"], layer.hashing.context_size
@@ -424,8 +439,10 @@ def child_main(spec_json: str) -> None:
     """One arm in this child: opens the table, enters the cgroup (if any),
     touches the ballast, runs the arm, writes its lines to the parent's file."""
     import numpy as np
+    import torch
 
     import ple
+    from ple.layers import NGramEmbedding
     from ple_tools.arm_child import write_line
     from ple_tools.cgroup import MemoryCgroup
     from ple_tools.make_table import PREFIX
@@ -441,6 +458,8 @@ def child_main(spec_json: str) -> None:
         warm_up(model, spec)
     else:
         table = ple.Table.from_safetensors(spec["table"], PREFIX, arm_config(spec["arm"]))
+        layer = NGramEmbedding(table, hashing_of(spec["ngram_base"]), dtype=torch.bfloat16)
+        warm_up_layer(layer, spec)
     group = None
     if spec["cgroup"]:
         group = MemoryCgroup.attach(spec["cgroup"], spec["cgroup_version"], spec["limit"])
@@ -452,7 +471,7 @@ def child_main(spec_json: str) -> None:
         record = run_model_arm(spec, model, lambda line: write_line(spec, line))
     else:
         with table:
-            record = run_arm(spec, table, lambda line: write_line(spec, line))
+            record = run_arm(spec, layer, lambda line: write_line(spec, line))
     if group is not None:
         record["cgroup"] = {"limit_bytes": group.limit, "ballast_bytes": spec["ballast"],
                             "peak": group.peak(), "oom_kills": group.oom_kills(),
