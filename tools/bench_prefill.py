@@ -572,9 +572,8 @@ def goal_check(results: list[dict], through_model: bool) -> dict | None:
         return None
     check = goal_ratios(compute["seconds" if through_model else "compute_s"], reads["forward_s"],
                         window["seconds"], ahead["seconds"])
-    compute_chunks, reads_chunks = compute.get("per_chunk_s", ()), reads.get("per_chunk_s", ())
-    if through_model and len(compute_chunks) == len(reads_chunks) > 0:
-        bound = overlap_bound(compute_chunks, reads_chunks)
+    if through_model:  # a finished arm has a time for every chunk
+        bound = overlap_bound(compute["per_chunk_s"], reads["per_chunk_s"])
         check.update(overlap_bound_s=bound, bound_over_no_lookahead=bound / window["seconds"],
                      lookahead_over_bound=ahead["seconds"] / bound)
     return check
