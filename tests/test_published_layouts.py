@@ -460,17 +460,19 @@ class TinyConfig(PreTrainedConfig):
 
 class Tiny(PreTrainedModel):
     """A model whose n-gram table is not in a Qwen4Exp n-gram module, so
-    offload="auto" does not know it."""
+    offload="auto" does not know it.  Its norm keeps a parameter in memory,
+    as every model has: transformers reads the model's device from one."""
 
     config_class = TinyConfig
 
     def __init__(self, config):
         super().__init__(config)
         self.ngram_embedding = torch.nn.Embedding(config.rows, config.cols)
+        self.norm = torch.nn.LayerNorm(config.cols)
         self.post_init()
 
     def forward(self, ids):
-        return self.ngram_embedding(ids)
+        return self.norm(self.ngram_embedding(ids))
 
 
 def test_auto_refuses_to_leave_a_table_to_memory_before_reading_it(tmp_path, monkeypatch):

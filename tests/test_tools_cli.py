@@ -98,3 +98,18 @@ def test_an_installed_console_script_runs():
     assert proc.returncode == 0 and proc.stdout.startswith("usage: ple-make-table "), proc.stderr
     imported = {line.rsplit("|", 1)[-1].strip() for line in proc.stderr.splitlines()}
     assert not imported & set(HEAVY), sorted(imported & set(HEAVY))
+
+
+def test_a_tools_child_does_not_import_from_the_working_directory(tmp_path):
+    """A clone's kernels/ folder, in the working directory, would hide the
+    kernels package that transformers imports; the tools' children start
+    without the working directory on sys.path."""
+    from ple_tools.arm_child import module_command
+
+    (tmp_path / "probe_module").mkdir()
+    (tmp_path / "probe_module" / "__main__.py").write_text("print('from the working directory')")
+    run = subprocess.run(module_command("probe_module"), cwd=tmp_path, capture_output=True,
+                         text=True, timeout=60)
+    assert run.returncode == 1
+    assert run.stdout == ""
+    assert "No module named probe_module" in run.stderr

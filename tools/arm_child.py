@@ -26,6 +26,14 @@ class ChildRun:
     timed_out: bool
 
 
+def module_command(module: str, *args: str) -> list[str]:
+    """``python -m module args`` with the working directory left off
+    sys.path (``-P``, Python 3.11 and later): run from a clone of ple, its
+    kernels/ folder would hide the kernels package that transformers imports."""
+    safe_path = ["-P"] if sys.version_info >= (3, 11) else []
+    return [sys.executable, *safe_path, "-m", module, *args]
+
+
 def run_child(module: str, spec: dict, deadline_s: float) -> ChildRun:
     """Runs ``module``'s child with ``spec`` (plus ``"out"``: the file it
     writes its lines to) for at most ``deadline_s`` seconds."""
@@ -33,8 +41,8 @@ def run_child(module: str, spec: dict, deadline_s: float) -> ChildRun:
     os.close(fd)
     try:
         start = time.perf_counter()
-        child = subprocess.Popen([sys.executable, "-m", module, "--child",
-                                  json.dumps({**spec, "out": out})])
+        command = module_command(module, "--child", json.dumps({**spec, "out": out}))
+        child = subprocess.Popen(command)
         try:
             code, timed_out = child.wait(timeout=deadline_s), False
         except subprocess.TimeoutExpired:

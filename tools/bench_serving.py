@@ -57,6 +57,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from ple_tools.arm_child import module_command
 from ple_tools.figures import add_json_option, run_recorded
 
 MiB = 2**20
@@ -209,8 +210,8 @@ def run_arm(args, arm: str, capped: bool) -> dict:
                 "cgroup": str(group.path) if group else None,
                 "cgroup_version": group.version if group else None,
                 "limit": group.limit if group else None}
-        child = subprocess.Popen([sys.executable, "-m", "ple_tools.bench_serving", "--child",
-                                  json.dumps(spec)], pass_fds=(write_fd,))
+        command = module_command("ple_tools.bench_serving", "--child", json.dumps(spec))
+        child = subprocess.Popen(command, pass_fds=(write_fd,))
         os.close(write_fd)
         with os.fdopen(read_fd) as pipe:
             text = pipe.read()

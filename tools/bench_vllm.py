@@ -41,6 +41,7 @@ import time
 from pathlib import Path
 
 from ple_tools import written
+from ple_tools.arm_child import module_command
 from ple_tools.figures import add_json_option, run_recorded
 
 ARMS = {"in-memory": "none", "ple": "auto"}
@@ -209,9 +210,9 @@ def run(args: argparse.Namespace) -> tuple[int, dict]:
         # from the memory the model leaves, so the arms' RSS would differ by it.
         env = {**os.environ, "PLE_OFFLOAD": ARMS[arm], "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
                "VLLM_CPU_KVCACHE_SPACE": "1"}
-        command = [sys.executable, "-m", "ple_tools.bench_vllm", "--dir", str(args.dir),
-                   "--prompt", str(args.prompt), "--new-tokens", str(args.new_tokens),
-                   "--child", arm]
+        command = module_command("ple_tools.bench_vllm", "--dir", str(args.dir),
+                                 "--prompt", str(args.prompt), "--new-tokens", str(args.new_tokens),
+                                 "--child", arm)
         done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=1800)
         if done.returncode != 0:
             print(f"  {arm}: failed\n{done.stderr[-3000:]}")

@@ -74,13 +74,14 @@ def batched_qsa_indexer():
         to be the first of one order (a causal mask, with padding or not);
         other masks take transformers' loop."""
 
-        def forward(self, hidden_states, position_embeddings, attention_mask, cache):
+        def forward(self, hidden_states, position_embeddings, attention_mask, cache, **kwargs):
             visible = attention_mask if attention_mask.dtype == torch.bool else attention_mask == 0
             seen = visible[:, 0].any(dim=1)  # [batch, keys]: the keys some query sees
             counts = visible[:, 0].sum(dim=-1)  # [batch, queries]
             prefixes = seen.unsqueeze(1) & (seen.cumsum(-1).unsqueeze(1) <= counts.unsqueeze(-1))
             if not torch.equal(prefixes, visible[:, 0]):
-                return super().forward(hidden_states, position_embeddings, attention_mask, cache)
+                return super().forward(hidden_states, position_embeddings, attention_mask, cache,
+                                       **kwargs)
             batch_size, seq_length, _ = hidden_states.shape
             full_cos, full_sin = position_embeddings
             q, token_k = self.index_qk_proj(hidden_states).split(
