@@ -128,9 +128,12 @@ def test_the_partial_goal_check_compares_the_chunks_every_arm_finished():
                arm("window", [1.5, 1.5, 1.5, 1.5], sha256="w")]
     assert bench_prefill.goal_check(results, True) is None
     check = bench_prefill.partial_goal_check(results)
+    # The bound: reads of 0.25 s, then 1.0 s of compute, then 1.5 s.
     assert check == {"chunks": 2, "compute_alone_s": 2.5, "reads_alone_s": 0.5,
                      "no_lookahead_s": 3.0, "lookahead_s": 2.75,
-                     "lookahead_over_no_lookahead": 2.75 / 3.0, "lookahead_over_max": 2.75 / 2.5}
+                     "lookahead_over_no_lookahead": 2.75 / 3.0, "lookahead_over_max": 2.75 / 2.5,
+                     "overlap_bound_s": 2.75, "bound_over_no_lookahead": 2.75 / 3.0,
+                     "lookahead_over_bound": 1.0}
     assert bench_prefill.partial_goal_check(results[:3]) is None  # no window arm
     assert bench_prefill.partial_goal_check([*results[:3], arm("window", [])]) is None
 

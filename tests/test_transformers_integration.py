@@ -437,7 +437,7 @@ def test_loading_a_1gib_table_stays_out_of_memory(tmp_path):
     for mode in ("ple", "transformers"):
         run = subprocess.run([sys.executable, "-c", CHILD, mode, str(tmp_path / "big"),
                               str(tmp_path / f"{mode}.pt")],
-                             capture_output=True, text=True, timeout=240)
+                             capture_output=True, text=True, timeout=240, cwd=tmp_path)
         assert run.returncode == 0, run.stderr[-3000:]
         peaks[mode] = json.loads(run.stdout.strip().splitlines()[-1])
     print(f"table {size / 2**20:.0f} MiB; peak RSS over the start: " + ", ".join(

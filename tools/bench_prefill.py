@@ -573,10 +573,17 @@ def goal_check(results: list[dict], through_model: bool) -> dict | None:
     check = goal_ratios(compute["seconds" if through_model else "compute_s"], reads["forward_s"],
                         window["seconds"], ahead["seconds"])
     if through_model:  # a finished arm has a time for every chunk
-        bound = overlap_bound(compute["per_chunk_s"], reads["per_chunk_s"])
-        check.update(overlap_bound_s=bound, bound_over_no_lookahead=bound / window["seconds"],
-                     lookahead_over_bound=ahead["seconds"] / bound)
+        return with_overlap_bound(check, compute["per_chunk_s"], reads["per_chunk_s"])
     return check
+
+
+def with_overlap_bound(check: dict, compute_chunks: list[float], reads_chunks: list[float]) -> dict:
+    """``check`` (goal_ratios') with the overlap bound of these chunks, and
+    no lookahead and lookahead over it."""
+    bound = overlap_bound(compute_chunks, reads_chunks)
+    return {**check, "overlap_bound_s": bound,
+            "bound_over_no_lookahead": bound / check["no_lookahead_s"],
+            "lookahead_over_bound": check["lookahead_s"] / bound}
 
 
 def overlap_bound(compute_chunks: list[float], reads_chunks: list[float]) -> float:
@@ -592,16 +599,18 @@ def overlap_bound(compute_chunks: list[float], reads_chunks: list[float]) -> flo
 
 
 def partial_goal_check(results: list[dict]) -> dict | None:
-    """Through a model, where an arm it needs timed out: the goal ratios over
-    the first chunks that the compute, reads, window and lookahead arms all
-    finished (their chunks' times), with their count; None where one of those
-    arms did not run or finished no chunk."""
+    """Through a model, where an arm it needs timed out: the goal ratios and
+    the overlap bound over the first chunks that the compute, reads, window
+    and lookahead arms all finished (their chunks' times), with their count;
+    None where one of those arms did not run or finished no chunk."""
     by_arm = {r["arm"]: r for r in results if r.get("per_chunk_s")}
     arms = [by_arm.get(arm) for arm in (COMPUTE, READS, WINDOW, LOOKAHEAD)]
     if None in arms:
         return None
     chunks = min(len(r["per_chunk_s"]) for r in arms)
-    return {"chunks": chunks, **goal_ratios(*(sum(r["per_chunk_s"][:chunks]) for r in arms))}
+    compute, reads = (r["per_chunk_s"][:chunks] for r in arms[:2])
+    check = goal_ratios(*(sum(r["per_chunk_s"][:chunks]) for r in arms))
+    return {"chunks": chunks, **with_overlap_bound(check, compute, reads)}
 
 
 def goal_ratios(compute: float, reads: float, no_lookahead: float, lookahead: float) -> dict:
