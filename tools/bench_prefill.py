@@ -608,8 +608,8 @@ def partial_goal_check(results: list[dict]) -> dict | None:
     if None in arms:
         return None
     chunks = min(len(r["per_chunk_s"]) for r in arms)
-    compute, reads = (r["per_chunk_s"][:chunks] for r in arms[:2])
-    check = goal_ratios(*(sum(r["per_chunk_s"][:chunks]) for r in arms))
+    compute, reads, window, ahead = (r["per_chunk_s"][:chunks] for r in arms)
+    check = goal_ratios(sum(compute), sum(reads), sum(window), sum(ahead))
     return {"chunks": chunks, **with_overlap_bound(check, compute, reads)}
 
 
