@@ -1,33 +1,66 @@
-"""The README's first example runs as written and gives what it says; the
-counters table of docs/counters.md is ple.COUNTERS."""
+"""Every ``python`` and ``bash`` block of README.md and of docs/*.md runs as
+written: each page's blocks in order, each in a process of its own, in one
+empty directory (a block may read the files an earlier one wrote).  A block
+whose first line is ``# needs a GPU...`` runs only where CUDA is; blocks of
+another language (``text``: signatures; none: install and make lines) are
+shown, not run.  The counters table of docs/counters.md is ple.COUNTERS."""
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
 from pathlib import Path
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+README = REPO / "README.md"
+BLOCK = re.compile(r"^```(?P<language>python|bash)\n(?P<code>.*?)^```$", re.S | re.M)
+NEEDS_A_GPU = "# needs a GPU"
+RUNNERS = {"python": [sys.executable, "-c"], "bash": ["bash", "-euo", "pipefail", "-c"]}
 
 
-def first_table_example() -> str:
-    section = README.read_text().split("\n## A first table\n", 1)[1].split("\n## ", 1)[0]
-    return re.search(r"```python\n(.*?)```", section, re.S)[1]
+def runnable_blocks(page: Path) -> list[tuple[str, str]]:
+    """The page's (language, code) blocks that this machine runs, in order."""
+    return [(m["language"], m["code"]) for m in BLOCK.finditer(page.read_text())
+            if torch.cuda.is_available() or not m["code"].startswith(NEEDS_A_GPU)]
 
 
-def test_the_first_table_example_runs(tmp_path):
-    done = subprocess.run([sys.executable, "-c", first_table_example()], cwd=tmp_path,
-                          capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr
-    first, second = done.stdout.splitlines()
+def run_blocks(page: Path, directory: Path) -> list[str]:
+    """Runs the page's blocks in ``directory``; returns what each printed.
+    The console scripts are those of the running interpreter's environment."""
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    printed = []
+    for number, (language, code) in enumerate(runnable_blocks(page), 1):
+        done = subprocess.run([*RUNNERS[language], code], cwd=directory, env=env,
+                              capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, (
+            f"{page.name}, {language} block {number} failed:\n{code}\n{done.stdout}{done.stderr}")
+        printed.append(done.stdout)
+    return printed
+
+
+def test_every_readme_block_runs_as_written(tmp_path):
+    printed = run_blocks(README, tmp_path)
+    first, second = printed[0].splitlines()
     assert first.startswith("ple.Table('emb', 100000 rows x 64 fp8_e4m3fn, 2 shard(s), scale=0.5")
     assert second == "4 3"
+
+
+DOCS = sorted(page for page in (REPO / "docs").glob("*.md") if BLOCK.search(page.read_text()))
+
+
+@pytest.mark.parametrize("page", DOCS, ids=[page.name for page in DOCS])
+def test_every_block_of_a_doc_runs_as_written(page, tmp_path):
+    run_blocks(page, tmp_path)
 
 
 def test_the_counters_table_is_ple_counters():
     import ple
 
-    section = (README.parent / "docs" / "counters.md").read_text()
+    section = (REPO / "docs" / "counters.md").read_text()
     listed = dict(re.findall(r"^\| `(\w+)` \| (.*) \|$", section, re.M))
     assert listed == dict(ple.COUNTERS)
