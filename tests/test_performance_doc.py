@@ -1,6 +1,8 @@
-"""docs/performance.md shows the benchmark documents of docs/figures/ as
-tools/figures.py renders them (the page is kept current from the tools'
---json output), and a tool's --json document holds what the run printed."""
+"""The pages of full runs in docs/figures/ show its benchmark documents as
+tools/figures.py renders them (the pages are kept current from the tools'
+--json output), every one of them once; docs/performance.md, which sums them
+up, links every page; and a tool's --json document holds what the run
+printed."""
 
 from __future__ import annotations
 
@@ -11,14 +13,21 @@ from pathlib import Path
 from ple_tools import figures
 
 
-def test_every_block_of_the_page_is_its_document():
-    page = figures.PAGE.read_text()
-    names = [m["name"] for m in figures.BLOCK.finditer(page)]
-    assert names, "docs/performance.md shows no benchmark document"
-    assert sorted(set(names)) == sorted(p.name for p in figures.FIGURES.glob("*.json")), \
+def test_every_block_of_the_pages_is_its_document():
+    names, stale = [], []
+    for path in figures.pages():
+        page = path.read_text()
+        names += [m["name"] for m in figures.BLOCK.finditer(page)]
+        stale += figures.updated(page, figures.FIGURES)[1]
+    assert sorted(names) == sorted(p.name for p in figures.FIGURES.glob("*.json")), \
         "every document in docs/figures/ is shown once, and only those"
-    _, stale = figures.updated(page, figures.FIGURES)
     assert stale == [], f"stale blocks (run python tools/figures.py): {stale}"
+
+
+def test_the_performance_page_links_every_page_of_full_runs():
+    summary = figures.pages()[0].read_text()
+    for path in figures.pages()[1:]:
+        assert f"](figures/{path.name}" in summary, path.name
 
 
 def test_run_recorded_keeps_the_report_and_results(tmp_path, capsys):

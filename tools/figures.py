@@ -1,9 +1,10 @@
-"""Benchmark figures as data, and docs/performance.md made from them.
+"""Benchmark figures as data, and the pages of full runs made from them.
 
 A tool run with ``--json PATH`` writes one document there: the command that
 ran, the machine, the date, the report it printed and its results.  The
-documents that docs/performance.md shows live in docs/figures/; the page
-names each one between two markers,
+documents live in docs/figures/, and the pages there (``docs/figures/*.md``,
+the full runs that docs/performance.md sums up) name each one between two
+markers,
 
     <!-- figures: bench_gpu-h200.json -->
     ...the document's command and report, as this module renders them...
@@ -11,7 +12,7 @@ names each one between two markers,
 
 and ``python tools/figures.py`` rewrites every such block from its document
 (``--check``: exits 1, naming the stale blocks, instead of writing).  The
-prose around the blocks is the page's own.
+prose around the blocks is the pages' own.
 """
 
 from __future__ import annotations
@@ -32,7 +33,6 @@ from pathlib import Path
 from ple_tools.written import ForeignFilesError
 
 REPO = Path(__file__).resolve().parents[1]
-PAGE = REPO / "docs" / "performance.md"
 FIGURES = REPO / "docs" / "figures"
 BLOCK = re.compile(r"(<!-- figures: (?P<name>[\w.-]+) -->\n)(?P<body>.*?)(<!-- /figures -->)", re.S)
 
@@ -137,6 +137,11 @@ def render(document: dict) -> str:
             f"*{document['machine']}; {document['date']}.*\n")
 
 
+def pages() -> list[Path]:
+    """The pages that show figure blocks: docs/performance.md and the full runs."""
+    return [REPO / "docs" / "performance.md", *sorted(FIGURES.glob("*.md"))]
+
+
 def updated(page: str, figures: Path) -> tuple[str, list[str]]:
     """The page with every block rendered from its document, and the names
     of the blocks that changed."""
@@ -154,20 +159,23 @@ def updated(page: str, figures: Path) -> tuple[str, list[str]]:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(
-        description="Rewrites the figure blocks of docs/performance.md from the benchmark "
-                    "documents in docs/figures/.")
+        description="Rewrites the figure blocks of the pages in docs/figures/ (and "
+                    "docs/performance.md) from the benchmark documents there.")
     parser.add_argument("--check", action="store_true",
                         help="write nothing; exit 1, naming them, if any block is stale")
     args = parser.parse_args(argv)
-    page, changed = updated(PAGE.read_text(), FIGURES)
-    if args.check:
+    stale = False
+    for path in pages():
+        page, changed = updated(path.read_text(), FIGURES)
+        if args.check:
+            if changed:
+                print(f"stale in {path.name}: {', '.join(changed)} (run python tools/figures.py)")
+                stale = True
+            continue
         if changed:
-            print(f"stale in {PAGE.name}: {', '.join(changed)} (run python tools/figures.py)")
-            return 1
-        return 0
-    PAGE.write_text(page)
-    print(f"{PAGE.name}: {len(changed)} block(s) rewritten" + (f": {', '.join(changed)}" if changed else ""))
-    return 0
+            path.write_text(page)
+            print(f"{path.name}: {len(changed)} block(s) rewritten: {', '.join(changed)}")
+    return 1 if stale else 0
 
 
 if __name__ == "__main__":
