@@ -39,9 +39,14 @@ The tables' gather and tiers (each offloaded table the same):
   [names], "gather": {field: value}, "host_rows": n, "device_rows": n,
   "lookahead_mib": n}``; the environment variables win over it.
 
-A bad setting raises ``ValueError`` when vLLM loads its plugins, before any
-model is built: vLLM does not start, rather than serve the tables from
-memory.
+Names are exact: the variables in upper case (``PLE_GATHER_`` and the
+field's name), the file's keys and fields and the keywords ``auto`` and
+``none`` in lower case; row counts and MiB are whole numbers.  A bad setting
+(a variable of the plugin in another case, any other ``PLE_GATHER_*``, a
+value of the wrong type or out of range, a file that is not UTF-8 JSON)
+raises a ``ValueError`` that names the variable, or the key and the file,
+and what it accepts, when vLLM loads its plugins, before any model is built:
+vLLM does not start, rather than serve the tables from memory.
 """
 
 from __future__ import annotations
@@ -49,6 +54,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -63,9 +69,17 @@ __all__ = ["Settings", "register", "settings"]
 OFFLOAD_ENV = "PLE_OFFLOAD"
 CONFIG_ENV = "PLE_CONFIG"
 GATHER_ENV_PREFIX = "PLE_GATHER_"
+# Each GatherConfig field's variable: the prefix and the field's name in upper case.
+GATHER_ENVS = {f"{GATHER_ENV_PREFIX}{name.upper()}": name for name in FIELDS}
 TIER_ENVS = {"host_rows": "PLE_HOST_ROWS", "device_rows": "PLE_DEVICE_ROWS"}
 LOOKAHEAD_ENV = "PLE_LOOKAHEAD_MIB"
+VARIABLES = (OFFLOAD_ENV, CONFIG_ENV, *GATHER_ENVS, *TIER_ENVS.values(), LOOKAHEAD_ENV)
 CONFIG_KEYS = ("offload", "gather", *TIER_ENVS, "lookahead_mib")
+OFFLOAD_KEYWORDS = ("auto", "none")
+# A whole number as a variable spells it.
+DECIMAL = re.compile(r"[+-]?[0-9]+")
+# A module name of PLE_OFFLOAD: vLLM's dotted path of attribute names and indices.
+MODULE_NAME = re.compile(r"[A-Za-z_]\w*(\.\w+)*")
 # The architectures whose vLLM classes ple's replace, and where ple's live.
 ARCHITECTURES = {
     "Gemma3nForCausalLM": "ple.integrations.vllm.gemma3n:Gemma3nForCausalLM",
@@ -94,45 +108,60 @@ class Settings:
 
 def settings(environ: dict[str, str] | None = None) -> Settings:
     """The settings of ``environ`` (default ``os.environ``) and of the file
-    its ``PLE_CONFIG`` names; a ValueError that names the variable or key at
-    fault otherwise."""
+    its ``PLE_CONFIG`` names; a ValueError that names the variable, or the
+    key and the file, at fault and what it accepts otherwise.  Names are
+    exact: the variables in upper case, the file's keys and the keywords
+    ``auto`` and ``none`` in lower case; a variable of the plugin spelled in
+    another case, or any other ``PLE_GATHER_*``, is refused."""
     environ = os.environ if environ is None else environ
-    values: dict = {}
+    _refuse_unknown_variables(environ)
     path = environ.get(CONFIG_ENV)
-    if path:
-        values = _read_config_file(Path(path))
-    gather = dict(values.get("gather") or {})
-    for name in FIELDS:
-        variable = f"{GATHER_ENV_PREFIX}{name.upper()}"
+    values = _read_config_file(Path(path)) if path else {}
+
+    def setting(variable: str, key: str):
+        """(the value, where it was set) of a setting: its variable, else its
+        key of the file; (None, None) where neither sets it."""
         if environ.get(variable):
-            gather[name] = _field_value(name, environ[variable], variable)
-    unknown = sorted(key for key in environ if key.startswith(GATHER_ENV_PREFIX)
-                     and key.removeprefix(GATHER_ENV_PREFIX).lower() not in FIELDS)
-    if unknown:
-        raise ValueError(f"ple: unknown {', '.join(unknown)}: the GatherConfig fields are "
-                         f"{', '.join(GATHER_ENV_PREFIX + n.upper() for n in FIELDS)}")
+            return environ[variable], variable
+        if values.get(key) is not None:
+            return values[key], f"{key!r} of {CONFIG_ENV}={path}"
+        return None, None
+
+    gather = {name: (value, f"{name!r} of 'gather' of {CONFIG_ENV}={path}")
+              for name, value in values.get("gather", {}).items()}
+    for variable, name in GATHER_ENVS.items():
+        if environ.get(variable):
+            gather[name] = (_field_value(name, environ[variable], variable),
+                            f"{variable}={environ[variable]!r}")
     tiers = {}
     for key, variable in TIER_ENVS.items():
-        raw = environ.get(variable) or values.get(key)
-        tiers[key] = 0 if raw is None else _row_count(raw, variable if environ.get(variable)
-                                                      else f"{key!r} of {path}")
-    raw = environ.get(LOOKAHEAD_ENV) or values.get("lookahead_mib")
-    lookahead_mib = (DEFAULT_LOOKAHEAD_BYTES >> 20 if raw is None else _lookahead_mib(
-        raw, LOOKAHEAD_ENV if environ.get(LOOKAHEAD_ENV) else f"'lookahead_mib' of {path}"))
-    offload = environ.get(OFFLOAD_ENV) or values.get("offload")
-    try:
-        config = GatherConfig(**gather) if gather else None
-    except (TypeError, ValueError) as error:
-        raise ValueError(f"ple: bad gather setting ({GATHER_ENV_PREFIX}* or 'gather' of "
-                         f"{CONFIG_ENV}): {error}") from None
-    return Settings(_offload(offload), config, **tiers, lookahead_mib=lookahead_mib)
+        raw, where = setting(variable, key)
+        tiers[key] = 0 if raw is None else _row_count(raw, where)
+    raw, where = setting(LOOKAHEAD_ENV, "lookahead_mib")
+    lookahead_mib = DEFAULT_LOOKAHEAD_BYTES >> 20 if raw is None else _lookahead_mib(raw, where)
+    offload, where = setting(OFFLOAD_ENV, "offload")
+    return Settings(_offload(offload, where), _gather_config(gather), **tiers,
+                    lookahead_mib=lookahead_mib)
+
+
+def _refuse_unknown_variables(environ) -> None:
+    """A ValueError for a variable that is one of the plugin's spelled in
+    another case, or a ``PLE_GATHER_*`` (in any case) that is no field's."""
+    wrong = sorted(name for name in environ if name not in VARIABLES and (
+        name.upper() in VARIABLES or name.upper().startswith(GATHER_ENV_PREFIX)))
+    if wrong:
+        raise ValueError(f"ple: unknown variable {', '.join(wrong)}: the plugin reads "
+                         f"{', '.join(VARIABLES)}, spelled exactly so (upper case)")
 
 
 def _read_config_file(path: Path) -> dict:
     try:
-        values = json.loads(path.read_text())
+        values = json.loads(path.read_text(encoding="utf-8"))
     except OSError as error:
         raise ValueError(f"ple: {CONFIG_ENV}={path}: {error.strerror or error}") from None
+    except UnicodeDecodeError as error:
+        raise ValueError(f"ple: {CONFIG_ENV}={path} is not UTF-8 text, as a JSON file of the "
+                         f"plugin's settings must be: {error}") from None
     except json.JSONDecodeError as error:
         raise ValueError(f"ple: {CONFIG_ENV}={path} is not JSON: {error}") from None
     if not isinstance(values, dict):
@@ -142,57 +171,93 @@ def _read_config_file(path: Path) -> dict:
     if unknown:
         raise ValueError(f"ple: {CONFIG_ENV}={path} has unknown keys {unknown}; expected keys "
                          f"among {CONFIG_KEYS}")
-    if not isinstance(values.get("gather", {}), dict):
-        raise ValueError(f"ple: 'gather' of {path} must be an object of GatherConfig fields")
+    values["gather"] = gather = {} if values.get("gather") is None else values["gather"]
+    if not isinstance(gather, dict):
+        raise ValueError(f"ple: 'gather' of {CONFIG_ENV}={path} must be an object of "
+                         f"GatherConfig fields {tuple(FIELDS)}, not {gather!r}")
+    unknown = sorted(set(gather) - set(FIELDS))
+    if unknown:
+        raise ValueError(f"ple: 'gather' of {CONFIG_ENV}={path} has unknown fields {unknown}; "
+                         f"the GatherConfig fields are {tuple(FIELDS)}")
     return values
 
 
 def _field_value(name: str, raw: str, variable: str):
-    if "choices" in FIELDS[name]:
+    """The value of GatherConfig field ``name`` that its variable's text
+    ``raw`` spells: the text itself for a choice, else an integer."""
+    field = FIELDS[name]
+    if "choices" in field:
         return raw
-    try:
-        return int(raw)
-    except ValueError:
-        raise ValueError(f"ple: {variable}={raw!r} is not an integer "
-                         f"({FIELDS[name]['unit']})") from None
+    value = _whole_number(raw)
+    if value is None:
+        power = " (0 or a power of two)" if field["power_of_two"] else ""
+        raise ValueError(f"ple: {variable}={raw!r} is not an integer: {name} takes "
+                         f"{field['unit']}, an integer in [{field['least']}, {field['most']}]{power}")
+    return value
+
+
+def _gather_config(fields: dict[str, tuple]) -> GatherConfig | None:
+    """The GatherConfig of ``{field: (value, where it was set)}``; a
+    ValueError that names where a bad value was set otherwise."""
+    if not fields:
+        return None
+    for name, (value, where) in fields.items():
+        try:
+            GatherConfig(**{name: value})
+        except ValueError as error:
+            raise ValueError(f"ple: {where}: {error}") from None
+    return GatherConfig(**{name: value for name, (value, _) in fields.items()})
+
+
+def _whole_number(raw) -> int | None:
+    """``raw`` as an int: an int (not a bool) of the file, or the decimal
+    text of a variable; None for anything else (a float, however whole)."""
+    if isinstance(raw, str):
+        text = raw.strip()
+        return int(text) if DECIMAL.fullmatch(text) else None
+    return raw if isinstance(raw, int) and not isinstance(raw, bool) else None
 
 
 def _row_count(raw, where: str) -> int:
-    try:
-        rows = int(raw)
-    except (TypeError, ValueError):
-        rows = -1
-    if rows < 0 or isinstance(raw, bool):
-        raise ValueError(f"ple: {where} must be a count of rows (an integer >= 0), not {raw!r}")
+    rows = _whole_number(raw)
+    if rows is None or rows < 0:
+        raise ValueError(f"ple: {where} must be a count of rows (a whole number >= 0), not {raw!r}")
     return rows
 
 
 def _lookahead_mib(raw, where: str) -> int:
     most = MOST_LOOKAHEAD_BYTES >> 20  # what a table's prefetches hold at most
-    try:
-        mib = int(raw)
-    except (TypeError, ValueError):
-        mib = -1
-    if not 0 <= mib <= most or isinstance(raw, bool) or isinstance(raw, float):
+    mib = _whole_number(raw)
+    if mib is None or not 0 <= mib <= most:
         raise ValueError(f"ple: {where} must be MiB of rows read ahead, an integer in "
                          f"[0, {most}] (0: no lookahead), not {raw!r}")
     return mib
 
 
-def _offload(value) -> str | tuple[str, ...] | None:
+def _offload(value, where: str | None) -> str | tuple[str, ...] | None:
+    """``value`` of PLE_OFFLOAD (a text) or of the file's "offload" (a text
+    or a list of names), set at ``where``."""
     if value is None or value == "":
         return None
+    given = value
+    accepted = ("'auto', 'none', or module names as vLLM names them (a comma-separated text, "
+                "or a list in the file)")
     if isinstance(value, str):
-        if value.strip() == "auto":
-            return "auto"
-        if value.strip() == "none":
-            return ()
+        if value.strip() in OFFLOAD_KEYWORDS:
+            return "auto" if value.strip() == "auto" else ()
         value = value.split(",")
     if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-        raise ValueError(f"ple: offload must be 'auto', 'none' or module names, not {value!r}")
+        raise ValueError(f"ple: {where} must be {accepted}, not {given!r}")
     names = tuple(dict.fromkeys(v.strip() for v in value if v.strip()))
     if not names:
-        raise ValueError(f"ple: {OFFLOAD_ENV}={value!r} names no module")
+        raise ValueError(f"ple: {where} is {given!r}, which names no module; it must be "
+                         f"{accepted}")
+    bad = [name for name in names
+           if name.lower() in OFFLOAD_KEYWORDS or not MODULE_NAME.fullmatch(name)]
+    if bad:
+        raise ValueError(f"ple: {where} is {given!r}: not module names {bad} (the keywords "
+                         f"'auto' and 'none' are lower case and stand alone); it must be "
+                         f"{accepted}")
     return names
 
 
