@@ -7,7 +7,17 @@ import os
 import sys
 import time
 
+import setuptools
 from setuptools import setup
+
+# pyproject.toml gives its license as an SPDX expression, which setuptools reads
+# from 77 on; an older one stops at that field with an error that names no fix.
+# Python 3.11's venv brings setuptools 65, and torch before 2.13 none newer.
+OLDEST_SETUPTOOLS = 77
+if int(setuptools.__version__.split(".")[0]) < OLDEST_SETUPTOOLS:
+    sys.exit(f"ple builds with setuptools {OLDEST_SETUPTOOLS} or newer, and this environment has "
+             f"{setuptools.__version__}: run `pip install 'setuptools>={OLDEST_SETUPTOOLS}'`, then "
+             "install ple again")
 
 sys.path.insert(0, "kernels")
 # ple is not installed yet: build_flags is read as a plain module.

@@ -1,1 +1,0 @@
-"""Kernels: the native memory-mapped row gather (C++) and the row decoders."""
