@@ -31,7 +31,7 @@ from ple.tiers import Tiers
 
 # Staged bytes up to this size are read by the kernel straight from pinned
 # memory; larger requests are copied to the device first (the faster of the
-# two for a decode step and for a prefill chunk, docs/performance.md).
+# two for a decode step and for a prefill chunk, docs/figures/bench_gpu.md).
 UVA_MAX_BYTES = 1 << 20
 
 
