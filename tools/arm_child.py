@@ -28,8 +28,8 @@ class ChildRun:
 
 def module_command(module: str, *args: str) -> list[str]:
     """``python -m module args`` with the working directory left off
-    sys.path (``-P``, Python 3.11 and later): run from a clone of ple, its
-    kernels/ folder would hide the kernels package that transformers imports."""
+    sys.path (``-P``, Python 3.11 and later), so that a folder there named
+    like a package the child imports cannot hide it."""
     safe_path = ["-P"] if sys.version_info >= (3, 11) else []
     return [sys.executable, *safe_path, "-m", module, *args]
 

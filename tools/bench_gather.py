@@ -70,6 +70,8 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from ple_tools.argtypes import (non_negative_int, positive_float, positive_int, positive_int_list,
+                                refuse_empty_table, seed)
 from ple_tools.figures import add_json_option, parse_with_defaults, run_recorded
 
 if TYPE_CHECKING:  # for annotations; imported after parsing
@@ -90,25 +92,30 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="the table's directory: reused if ple wrote a table of this size "
                         "there, else written there; a directory holding files ple did not "
                         "write is refused (default data/bench_table)")
-    parser.add_argument("--table-gib", type=float, help="table size in GiB (default 8; --quick 0.25)")
-    parser.add_argument("--table-rows", type=int, metavar="N",
+    parser.add_argument("--table-gib", type=positive_float,
+                        help="table size in GiB (default 8; --quick 0.25)")
+    parser.add_argument("--table-rows", type=positive_int, metavar="N",
                         help="table size in rows, instead of --table-gib (the reference n-gram "
                         "table: 320001536)")
-    parser.add_argument("--shards", type=int, default=8,
+    parser.add_argument("--shards", type=positive_int, default=8,
                         help="shards the table's rows are split into (default 8; the reference "
                         "table: 128)")
-    parser.add_argument("--files", type=int, default=4,
+    parser.add_argument("--files", type=positive_int, default=4,
                         help="files the shards are spread over (default 4; the reference table: "
                         "32), written in parallel (ple_tools.make_table)")
-    parser.add_argument("--row-bytes", type=int, default=160, help="bytes (FP8 values) per row (default 160)")
-    parser.add_argument("--calls", type=int, help="calls per arm (default 16; --quick 4)")
-    parser.add_argument("--rows", type=int, help="random ids per call (default 18000; --quick 4000)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the ids (default 0)")
-    parser.add_argument("--windows", help="KiB budgets of the window:KiB arms, comma separated "
+    parser.add_argument("--row-bytes", type=positive_int, default=160,
+                        help="bytes (FP8 values) per row (default 160)")
+    parser.add_argument("--calls", type=positive_int, help="calls per arm (default 16; --quick 4)")
+    parser.add_argument("--rows", type=positive_int,
+                        help="random ids per call (default 18000; --quick 4000)")
+    parser.add_argument("--seed", type=seed, default=0, help="seed of the ids (default 0)")
+    parser.add_argument("--windows", type=positive_int_list,
+                        help="KiB budgets of the window:KiB arms, comma separated "
                         "(default 64,1024,4096,16384; --quick 64,4096)")
-    parser.add_argument("--distance", type=int, default=4096,
+    parser.add_argument("--distance", type=non_negative_int, default=4096,
                         help="KiB of the distance:KiB arm (default 4096; 0: no arm)")
-    parser.add_argument("--ceiling", help="queue depths of the ceiling:DEPTH arms, comma "
+    parser.add_argument("--ceiling", type=positive_int_list,
+                        help="queue depths of the ceiling:DEPTH arms, comma "
                         "separated (default 32,64; --quick 32; empty: none)")
     parser.add_argument("--ceiling-engine", choices=("aio", "threads"), default="aio",
                         help="how the ceiling arms keep DEPTH O_DIRECT reads in flight: Linux "
@@ -118,22 +125,23 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--no-prime", dest="prime", action="store_false",
                         help="skip the pass that reads every call's pages once with O_DIRECT "
                         "before the arms (see above)")
-    parser.add_argument("--threads", type=int, help="GatherConfig.threads (default: its default)")
-    parser.add_argument("--direct-cache", type=int, default=256, metavar="MiB",
+    parser.add_argument("--threads", type=positive_int,
+                        help="GatherConfig.threads (default: its default)")
+    parser.add_argument("--direct-cache", type=non_negative_int, default=256, metavar="MiB",
                         help="row cache of the direct-cache:MiB arm (default 256; 0: no such arm)")
-    parser.add_argument("--direct-blocks", default="", metavar="BYTES,...",
+    parser.add_argument("--direct-blocks", type=positive_int_list, default="", metavar="BYTES,...",
                         help="io_block_bytes of direct-block:BYTES arms, comma separated "
                              "(default none)")
-    parser.add_argument("--direct-depths", default="", metavar="N,...",
+    parser.add_argument("--direct-depths", type=positive_int_list, default="", metavar="N,...",
                         help="io_queue_depth of direct-depth:N arms, comma separated "
                              "(default none)")
     parser.add_argument("--no-direct", dest="direct", action="store_false",
                         help="leave out every direct arm (direct, direct-cache, direct-block, "
                              "direct-depth)")
-    parser.add_argument("--io-queue-depth", type=int, metavar="N",
+    parser.add_argument("--io-queue-depth", type=positive_int, metavar="N",
                         help="GatherConfig.io_queue_depth of the direct arms other than "
                              "direct-depth:N (default: its default)")
-    parser.add_argument("--cpu-load", type=int, default=0, metavar="N",
+    parser.add_argument("--cpu-load", type=non_negative_int, default=0, metavar="N",
                         help="run N busy processes (Python loops) for the arms' duration "
                         "(default 0)")
     parser.add_argument("--drop", choices=("arm", "call"), default="arm",
@@ -146,17 +154,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--warm", action="store_true",
                         help="after the cold arms, run every gathering arm and numpy again "
                         "without dropping, each after one untimed pass over its calls")
-    parser.add_argument("--memory-limit", type=int, metavar="MiB",
+    parser.add_argument("--memory-limit", type=positive_int, metavar="MiB",
                         help="run each arm in its own child process in a memory cgroup of this "
                         "limit, which the tool creates and removes (needs root or a delegated "
                         "cgroup; exits non-zero without)")
-    parser.add_argument("--ballast", type=int, default=0, metavar="MiB",
+    parser.add_argument("--ballast", type=non_negative_int, default=0, metavar="MiB",
                         help="touched anonymous memory the child allocates inside the cgroup "
                         "before the arm (with --memory-limit; there is no swap to take it).  The "
                         "page tables of the mapped table are charged to the group as well (about "
                         "25 MiB for random rows over an 8 GiB table): the tool prints the page "
                         "cache room that is really left")
-    parser.add_argument("--arm-timeout", type=float, default=600, metavar="S",
+    parser.add_argument("--arm-timeout", type=positive_float, default=600, metavar="S",
                         help="with --memory-limit, an arm's child still running after S seconds "
                         "is killed and the arm reported as timed out (default 600)")
     add_json_option(parser)
@@ -166,7 +174,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="a run of under a minute: 256 MiB table, 4 calls of 4000 rows, "
                         "windows 64 and 4096, ceiling:32 only (explicit flags still win)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
-    return parse_with_defaults(parser, argv, DEFAULTS, QUICK)
+    args = parse_with_defaults(parser, argv, DEFAULTS, QUICK)
+    if args.table_rows is None:
+        refuse_empty_table(parser, "--table-gib", args.table_gib * 2**30, args.row_bytes)
+    return args
 
 
 def arm_list(args) -> list[str]:

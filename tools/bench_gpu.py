@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from ple_tools.argtypes import positive_float, positive_int, refuse_empty_table
 from ple_tools.figures import add_json_option, run_recorded
 
 if TYPE_CHECKING:  # for annotations; imported after parsing
@@ -278,14 +279,17 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="the table's directory: reused if ple wrote a table of this size "
                         "there, else written there; a directory holding files ple did not "
                         "write is refused (default data/gpu_bench_table)")
-    parser.add_argument("--mib", type=float, default=1024, help="table size in MiB (default 1024)")
-    parser.add_argument("--calls", type=int, default=50,
+    parser.add_argument("--mib", type=positive_float, default=1024,
+                        help="table size in MiB (default 1024)")
+    parser.add_argument("--calls", type=positive_int, default=50,
                         help="timed calls per warm measurement (default 50)")
-    parser.add_argument("--cold-calls", type=int, default=8,
+    parser.add_argument("--cold-calls", type=positive_int, default=8,
                         help="timed calls per cold measurement, each after the table's pages "
                         "are dropped (default 8)")
     add_json_option(parser)
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    refuse_empty_table(parser, "--mib", args.mib * 2**20, ROW_BYTES)
+    return args
 
 
 def main(argv=None) -> int:

@@ -23,6 +23,8 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from ple_tools.argtypes import (non_negative_float, positive_float, positive_int,
+                                refuse_empty_table, seed)
 from ple_tools.figures import add_json_option, run_recorded
 
 if TYPE_CHECKING:  # for annotations; imported after parsing
@@ -30,6 +32,7 @@ if TYPE_CHECKING:  # for annotations; imported after parsing
     from ple.layers import NGramEmbedding
 
 VOCAB_SIZE = 262_144
+ROW_BYTES = 160
 EOS_ID = 1
 REQUESTS = 4
 MODES = ("cold", "prefetch", "warm")
@@ -78,17 +81,20 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="the table's directory: reused if ple wrote a table of this size "
                         "there, else written there; a directory holding files ple did not "
                         "write is refused (default data/bench_table)")
-    parser.add_argument("--table-gib", type=float, default=8.0,
+    parser.add_argument("--table-gib", type=positive_float, default=8.0,
                         help="table size in GiB, written when --table holds no table of this "
                         "size (default 8)")
-    parser.add_argument("--tokens", type=int, default=2048, help="tokens per step (default 2048)")
-    parser.add_argument("--steps", type=int, default=8, help="steps per mode (default 8)")
-    parser.add_argument("--compute-ms", type=float, default=50.0,
+    parser.add_argument("--tokens", type=positive_int, default=2048,
+                        help="tokens per step (default 2048)")
+    parser.add_argument("--steps", type=positive_int, default=8, help="steps per mode (default 8)")
+    parser.add_argument("--compute-ms", type=non_negative_float, default=50.0,
                         help="ms of sleep after each forward, standing for the rest of the "
                         "model's step (default 50)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the tokens (default 0)")
+    parser.add_argument("--seed", type=seed, default=0, help="seed of the tokens (default 0)")
     add_json_option(parser)
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    refuse_empty_table(parser, "--table-gib", args.table_gib * 2**30, ROW_BYTES)
+    return args
 
 
 def main(argv=None) -> int:
@@ -102,9 +108,8 @@ def run(args: argparse.Namespace) -> tuple[int, list[dict]]:
     from ple.layers import NGramEmbedding
     from ple_tools.make_table import PREFIX, ensure_table
 
-    row_bytes = 160
-    num_rows = int(args.table_gib * 2**30) // row_bytes
-    ensure_table(args.table, rows=num_rows, row_bytes=row_bytes)
+    num_rows = int(args.table_gib * 2**30) // ROW_BYTES
+    ensure_table(args.table, rows=num_rows, row_bytes=ROW_BYTES)
     # 16 heads of consecutive primes from base_size must fit in the table.
     base_size = num_rows // 17
     layer = NGramEmbedding.from_safetensors(args.table, PREFIX, vocab_size=VOCAB_SIZE, eos_id=EOS_ID,

@@ -115,6 +115,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from ple_tools.argtypes import (non_negative_float, non_negative_int, positive_float, positive_int,
+                                positive_int_list)
 from ple_tools.figures import add_json_option, parse_with_defaults, run_recorded
 
 MiB = 2**20
@@ -639,14 +641,15 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="the table's directory (ple_tools.make_table: reused if it holds "
                         "this table, refused if it holds files ple did not write; default "
                         "data/bench_prefill, --quick data/bench_prefill_quick)")
-    parser.add_argument("--ngram-base", type=int,
+    parser.add_argument("--ngram-base", type=positive_int,
                         help="the hashing's ngram_vocab_size_base: the table's size (default "
                         "20000000, Flash-Next's: 320,001,536 rows; --quick 16384)")
-    parser.add_argument("--shards", type=int, help="table shards (default 128; --quick 8)")
-    parser.add_argument("--files", type=int, help="table files (default 32; --quick 4)")
-    parser.add_argument("--tokens-count", type=int,
+    parser.add_argument("--shards", type=positive_int, help="table shards (default 128; --quick 8)")
+    parser.add_argument("--files", type=positive_int, help="table files (default 32; --quick 4)")
+    parser.add_argument("--tokens-count", type=positive_int,
                         help="prompt tokens: the first N of the text (default 184134; --quick 8192)")
-    parser.add_argument("--chunk", type=int, default=2048, help="tokens a chunk (default 2048)")
+    parser.add_argument("--chunk", type=positive_int, default=2048,
+                        help="tokens a chunk (default 2048)")
     parser.add_argument("--text", type=Path, help="a UTF-8 text file to tokenize (default: "
                         "this Python's documentation)")
     parser.add_argument("--tokens", type=Path,
@@ -658,29 +661,30 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="write the prompt's tokens (.npy)")
     parser.add_argument("--arms", help="arms to run, comma separated (default: window, all, "
                         "direct, direct-cache:MiB per --caches, lookahead)")
-    parser.add_argument("--caches", help="MiB of the direct-cache arms, comma separated "
+    parser.add_argument("--caches", type=positive_int_list,
+                        help="MiB of the direct-cache arms, comma separated "
                         "(default 512; --quick 16)")
-    parser.add_argument("--lookahead-mib", type=int, default=64,
+    parser.add_argument("--lookahead-mib", type=positive_int, default=64,
                         help="the lookahead arm's bound on rows read ahead (default 64)")
-    parser.add_argument("--compute-ms", type=float, default=0.0, metavar="N",
+    parser.add_argument("--compute-ms", type=non_negative_float, default=0.0, metavar="N",
                         help="busy compute after each chunk, ms (default 0: none)")
-    parser.add_argument("--model-layers", type=int, default=0, metavar="N",
+    parser.add_argument("--model-layers", type=non_negative_int, default=0, metavar="N",
                         help="run the arms through a Qwen4Exp-shaped model of N (3 or more) "
                         "decoder layers, random weights (default 0: the layer alone)")
-    parser.add_argument("--model-hidden", type=int, default=2048,
+    parser.add_argument("--model-hidden", type=positive_int, default=2048,
                         help="the model's hidden size (default 2048, transformers' default; "
                         "its heads and MLPs in proportion)")
-    parser.add_argument("--model-experts", type=int, default=64,
+    parser.add_argument("--model-experts", type=positive_int, default=64,
                         help="the model's experts a layer (default 64)")
     parser.add_argument("--device", choices=("cpu", "cuda"),
                         help="where the layer's output and the compute go (default cuda when "
                         "available)")
-    parser.add_argument("--memory-limit", type=int, metavar="MiB",
+    parser.add_argument("--memory-limit", type=positive_int, metavar="MiB",
                         help="each arm's child in a memory cgroup of this memory.high (plus "
                         "the row cache of a direct-cache arm; needs root or a delegated cgroup)")
-    parser.add_argument("--ballast", type=int, default=0, metavar="MiB",
+    parser.add_argument("--ballast", type=non_negative_int, default=0, metavar="MiB",
                         help="touched anonymous memory each child holds in its cgroup")
-    parser.add_argument("--deadline", type=float, metavar="S",
+    parser.add_argument("--deadline", type=positive_float, metavar="S",
                         help="an arm still running after S seconds is killed and reported as "
                         "timed out (default 300; --quick 120)")
     add_json_option(parser)

@@ -58,6 +58,8 @@ import sys
 from pathlib import Path
 
 from ple_tools.arm_child import module_command
+from ple_tools.argtypes import (non_negative_int, number_above, positive_float, positive_int,
+                                refuse_empty_table, seed)
 from ple_tools.figures import add_json_option, run_recorded
 
 MiB = 2**20
@@ -80,17 +82,23 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="the table's directory: reused if ple wrote a table of this size "
                         "there, else written there; a directory holding files ple did not "
                         "write is refused (default data/bench_table)")
-    parser.add_argument("--table-gib", type=float, default=4.0, help="table size in GiB (default 4)")
-    parser.add_argument("--row-bytes", type=int, default=160, help="bytes per row (default 160)")
-    parser.add_argument("--budget", type=int, default=256, metavar="MiB",
+    parser.add_argument("--table-gib", type=positive_float, default=4.0,
+                        help="table size in GiB (default 4)")
+    parser.add_argument("--row-bytes", type=positive_int, default=160,
+                        help="bytes per row (default 160)")
+    parser.add_argument("--budget", type=positive_int, default=256, metavar="MiB",
                         help="B: the memory the cap leaves for caching (default 256)")
-    parser.add_argument("--zipf", type=float, default=1.1,
+    parser.add_argument("--zipf", type=number_above(1), default=1.1,
                         help="exponent of the Zipf distribution of the ids, above 1 (default 1.1)")
-    parser.add_argument("--rows", type=int, default=4096, help="ids per call (default 4096)")
-    parser.add_argument("--warmup", type=int, default=3000, help="untimed calls first (default 3000)")
-    parser.add_argument("--calls", type=int, default=300, help="measured calls (default 300)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the ids (default 0)")
-    parser.add_argument("--threads", type=int, help="GatherConfig.threads (default: its default)")
+    parser.add_argument("--rows", type=positive_int, default=4096,
+                        help="ids per call (default 4096)")
+    parser.add_argument("--warmup", type=non_negative_int, default=3000,
+                        help="untimed calls first (default 3000)")
+    parser.add_argument("--calls", type=positive_int, default=300,
+                        help="measured calls (default 300)")
+    parser.add_argument("--seed", type=seed, default=0, help="seed of the ids (default 0)")
+    parser.add_argument("--threads", type=positive_int,
+                        help="GatherConfig.threads (default: its default)")
     parser.add_argument("--arms", default=",".join(ARMS),
                         help=f"comma separated, of {', '.join(ARMS)} (default all)")
     parser.add_argument("--no-prime", dest="prime", action="store_false",
@@ -99,8 +107,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     add_json_option(parser)
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    if args.zipf <= 1:
-        parser.error("--zipf must be above 1")
+    refuse_empty_table(parser, "--table-gib", args.table_gib * 2**30, args.row_bytes)
     unknown = set(args.arms.split(",")) - set(ARMS)
     if unknown:
         parser.error(f"unknown arms {sorted(unknown)}; expected some of {', '.join(ARMS)}")

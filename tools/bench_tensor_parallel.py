@@ -32,6 +32,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from ple_tools.argtypes import non_negative_int, positive_float, positive_int, refuse_empty_table
 from ple_tools.figures import add_json_option, run_recorded
 
 ROW_BYTES = 160
@@ -54,10 +55,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="the table's directory: reused if ple wrote a table of this size "
                         "there, else written there; a directory holding files ple did not "
                         "write is refused (default data/tp_bench_table)")
-    parser.add_argument("--mib", type=float, default=1024, help="table size in MiB (default 1024)")
-    parser.add_argument("--calls", type=int, default=30,
+    parser.add_argument("--mib", type=positive_float, default=1024,
+                        help="table size in MiB (default 1024)")
+    parser.add_argument("--calls", type=positive_int, default=30,
                         help="timed calls per case and table (default 30)")
-    parser.add_argument("--world-size", type=int,
+    parser.add_argument("--world-size", type=positive_int,
                         help="ranks, one process each (default: the GPU count; 2 on the CPU)")
     parser.add_argument("--backend", choices=("nccl", "gloo"),
                         help="the process group's backend (default: nccl on GPUs, gloo on the CPU)")
@@ -67,18 +69,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--tiers", type=fractions, default=(0.5, 0.5), metavar="DEVICE,HOST",
                         help="fractions of each process's rows in its device and host tiers "
                         "(default 0.5,0.5: all of them; on the CPU the host tier alone)")
-    parser.add_argument("--timeout", type=float, default=600,
+    parser.add_argument("--timeout", type=positive_float, default=600,
                         help="seconds the ranks of one run may take, in all (default 600)")
     add_json_option(parser)
     # One rank's part, run by the launcher.
-    parser.add_argument("--rank", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--rank", type=non_negative_int, help=argparse.SUPPRESS)
     parser.add_argument("--init-method", help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.device == "cpu" and args.backend == "nccl":
         parser.error("--device cpu runs over gloo; NCCL needs GPUs")
-    if args.calls < 1 or (args.world_size is not None and args.world_size < 1):
-        parser.error("--calls and --world-size must be >= 1")
+    refuse_empty_table(parser, "--mib", args.mib * 2**20, ROW_BYTES)
     return args
 
 

@@ -52,6 +52,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ple_tools import written
+from ple_tools.argtypes import positive_float, positive_int, seed
 from ple_tools.figures import add_json_option, run_recorded
 
 if TYPE_CHECKING:  # for annotations; torch is imported after parsing (--help imports none)
@@ -398,29 +399,35 @@ def main(argv=None) -> int:
                         help="the checkpoint's directory: reused if this tool wrote one of this "
                         "size there, else written there; a directory holding files it did not "
                         "write is refused (default data/bench_transformers)")
-    parser.add_argument("--table-gib", type=float, default=3.0,
+    parser.add_argument("--table-gib", type=positive_float, default=3.0,
                         help="GiB of n-gram tables in all (default 3)")
-    parser.add_argument("--ple-layers", type=int, default=2, help="PLE layers (default 2)")
+    parser.add_argument("--ple-layers", type=positive_int, default=2, help="PLE layers (default 2)")
     parser.add_argument("--dtype", choices=DTYPES, default="bf16",
                         help="of the stored rows and of the loaded model (default bf16)")
     parser.add_argument("--arms", default=",".join(ARMS), help=f"comma separated, of {ARMS}")
     parser.add_argument("--in-memory", dest="in_memory", action="store_true",
                         help="run the in-memory arm even when MemAvailable looks too small")
-    parser.add_argument("--prompt", type=int, default=32, help="prompt tokens (default 32)")
-    parser.add_argument("--new-tokens", type=int, default=32, help="timed tokens (default 32)")
-    parser.add_argument("--seed", type=int, default=0, help="of the prompts (default 0)")
-    parser.add_argument("--timeout", type=float, default=1200, help="seconds per arm")
-    parser.add_argument("--offload-dir", type=Path, help="where disk-offload writes (default --dir)")
+    parser.add_argument("--prompt", type=positive_int, default=32,
+                        help="prompt tokens (default 32)")
+    parser.add_argument("--new-tokens", type=positive_int, default=32,
+                        help="timed tokens (default 32)")
+    parser.add_argument("--seed", type=seed, default=0, help="of the prompts (default 0)")
+    parser.add_argument("--timeout", type=positive_float, default=1200, help="seconds per arm")
+    parser.add_argument("--offload-dir", type=Path,
+                        help="where disk-offload writes (default --dir)")
     add_json_option(parser)
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    unknown = [arm for arm in args.arms.split(",") if arm not in ARMS]
+    if unknown:
+        parser.error(f"argument --arms: unknown {unknown}; arms: {', '.join(ARMS)}")
     if args.child:
         print(json.dumps(run_arm(json.loads(args.child))))
         return 0
-    return run_recorded(args, "bench_transformers", argv, lambda: run(args, parser))
+    return run_recorded(args, "bench_transformers", argv, lambda: run(args))
 
 
-def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[int, dict]:
+def run(args: argparse.Namespace) -> tuple[int, dict]:
     import torch
 
     dtype = getattr(torch, DTYPES[args.dtype])
@@ -432,8 +439,6 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[int,
           f"{torch.__version__}, load average {os.getloadavg()[0]:.2f}")
     results = []
     for arm in args.arms.split(","):
-        if arm not in ARMS:
-            parser.error(f"unknown arm {arm!r}; arms: {', '.join(ARMS)}")
         if arm == "in-memory" and not args.in_memory and mem_available() < 2.5 * info["table_bytes"]:
             results.append({"arm": arm, "skipped": "too little memory (--in-memory runs it)"})
             continue

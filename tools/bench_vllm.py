@@ -32,6 +32,7 @@ same tokens.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import statistics
@@ -42,6 +43,7 @@ from pathlib import Path
 
 from ple_tools import written
 from ple_tools.arm_child import module_command
+from ple_tools.argtypes import positive_float, positive_int
 from ple_tools.figures import add_json_option, run_recorded
 
 ARMS = {"in-memory": "none", "ple": "auto"}
@@ -68,10 +70,11 @@ def parse_args(argv=None) -> argparse.Namespace:
         epilog=__doc__.split("\n\n", 2)[2], formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dir", type=Path, default=Path("data/bench_vllm"),
                         help="where the checkpoint is written, or reused (default data/bench_vllm)")
-    parser.add_argument("--table-gib", type=float, default=1.0,
+    parser.add_argument("--table-gib", type=positive_float, default=1.0,
                         help="the per-layer table's size in GiB (default 1; at least 1/64)")
-    parser.add_argument("--prompt", type=int, default=256, help="prompt tokens (default 256)")
-    parser.add_argument("--new-tokens", type=int, default=32,
+    parser.add_argument("--prompt", type=positive_int, default=256,
+                        help="prompt tokens (default 256)")
+    parser.add_argument("--new-tokens", type=positive_int, default=32,
                         help="tokens generated for the per-token time (default 32)")
     parser.add_argument("--arms", default=",".join(ARMS),
                         help=f"comma-separated arms among {', '.join(ARMS)} (default all)")
@@ -233,6 +236,12 @@ def run(args: argparse.Namespace) -> tuple[int, dict]:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if importlib.util.find_spec("vllm") is None:
+        print(f"error: ple-bench-vllm runs vLLM, which {sys.executable} does not have: install "
+              "it with `pip install --no-build-isolation '.[vllm]'` from a checkout of ple, or on "
+              "a CPU machine run the tool with .venv-vllm's python, which `make test-vllm` builds "
+              "(docs/vllm.md)", file=sys.stderr)
+        return 2
     if args.child:
         print("RESULT " + json.dumps(run_arm(args)), flush=True)
         return 0

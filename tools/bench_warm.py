@@ -43,6 +43,8 @@ ROWS_PER_THREAD = 256  # the gather's kMinRowsPerThread (kernels/row_gather.cpp)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
+    from ple_tools.argtypes import (positive_float, positive_int, positive_int_list,
+                                    refuse_empty_table, seed)
     from ple_tools.figures import add_json_option
 
     parser = argparse.ArgumentParser(
@@ -53,12 +55,15 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="the table's directory: reused if ple wrote a table of this size "
                         "there, else written there; a directory holding files ple did not "
                         "write is refused (default data/bench_warm_table)")
-    parser.add_argument("--table-gib", type=float, default=1.0, help="table size in GiB (default 1)")
-    parser.add_argument("--row-bytes", type=int, default=160, help="bytes per row (default 160)")
-    parser.add_argument("--rows", default="32768,16",
+    parser.add_argument("--table-gib", type=positive_float, default=1.0,
+                        help="table size in GiB (default 1)")
+    parser.add_argument("--row-bytes", type=positive_int, default=160,
+                        help="bytes per row (default 160)")
+    parser.add_argument("--rows", type=positive_int_list, default="32768,16",
                         help="ids per call, comma separated: one measurement each (default 32768,16)")
-    parser.add_argument("--calls", type=int, default=50, help="timed calls per arm and turn (default 50)")
-    parser.add_argument("--threads", type=int, default=16,
+    parser.add_argument("--calls", type=positive_int, default=50,
+                        help="timed calls per arm and turn (default 50)")
+    parser.add_argument("--threads", type=positive_int, default=16,
                         help="GatherConfig.threads, and the floor's threads (default 16)")
     parser.add_argument("--policy", default="window",
                         help="the gather's policy spec, as GatherConfig.from_spec takes it "
@@ -66,12 +71,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--python", action="append", metavar="PATH",
                         help="an interpreter whose ple to measure (repeat for several; default "
                         "this one)")
-    parser.add_argument("--turns", type=int, default=3, help="turns of every arm (default 3)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the ids (default 0)")
+    parser.add_argument("--turns", type=positive_int, default=3,
+                        help="turns of every arm (default 3)")
+    parser.add_argument("--seed", type=seed, default=0, help="seed of the ids (default 0)")
     parser.add_argument("--cxx", default=os.environ.get("CXX", "c++"),
                         help="the C++ compiler for the floor (default $CXX, else c++)")
     add_json_option(parser)
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    refuse_empty_table(parser, "--table-gib", args.table_gib * 2**30, args.row_bytes)
+    return args
 
 
 def child_main(spec: dict) -> None:

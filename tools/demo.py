@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from ple_tools.argtypes import positive_float, positive_int, refuse_empty_table, seed
 from ple_tools.figures import add_json_option, run_recorded
 
 if TYPE_CHECKING:  # for annotations; imported after parsing
@@ -122,14 +123,18 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="the table's directory: reused if ple wrote a table of this size "
                         "there, else written there; a directory holding files ple did not "
                         "write is refused (default data/demo_table)")
-    parser.add_argument("--mib", type=float, default=256, help="table size in MiB (default 256)")
-    parser.add_argument("--row-bytes", type=int, default=160,
+    parser.add_argument("--mib", type=positive_float, default=256,
+                        help="table size in MiB (default 256)")
+    parser.add_argument("--row-bytes", type=positive_int, default=160,
                         help="bytes (FP8 values) per row (default 160)")
-    parser.add_argument("--calls", type=int, default=8, help="calls per arm (default 8)")
-    parser.add_argument("--rows", type=int, default=18000, help="ids per call (default 18000)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the random ids (default 0)")
+    parser.add_argument("--calls", type=positive_int, default=8, help="calls per arm (default 8)")
+    parser.add_argument("--rows", type=positive_int, default=18000,
+                        help="ids per call (default 18000)")
+    parser.add_argument("--seed", type=seed, default=0, help="seed of the random ids (default 0)")
     add_json_option(parser)
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    refuse_empty_table(parser, "--mib", args.mib * 2**20, args.row_bytes)
+    return args
 
 
 def main(argv=None) -> int:

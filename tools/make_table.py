@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ple_tools import written
+from ple_tools.argtypes import positive_float, positive_int, refuse_empty_table, seed
 
 if TYPE_CHECKING:  # for annotations; imported after parsing
     import numpy as np
@@ -212,16 +213,19 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("directory", type=Path,
                         help="where to write the table's files: a missing or empty directory, "
                         "or one holding a table this tool wrote")
-    parser.add_argument("--mib", type=float, default=256,
+    parser.add_argument("--mib", type=positive_float, default=256,
                         help="table size in MiB (default 256)")
-    parser.add_argument("--row-bytes", type=int, default=160,
+    parser.add_argument("--row-bytes", type=positive_int, default=160,
                         help="bytes (FP8 values) per row (default 160)")
-    parser.add_argument("--shards", type=int, default=8,
+    parser.add_argument("--shards", type=positive_int, default=8,
                         help="shards the rows are split into (default 8)")
-    parser.add_argument("--files", type=int, default=4,
+    parser.add_argument("--files", type=positive_int, default=4,
                         help="files the shards are spread over (default 4)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the random rows (default 0)")
-    return parser.parse_args(argv)
+    parser.add_argument("--seed", type=seed, default=0,
+                        help="seed of the random rows (default 0)")
+    args = parser.parse_args(argv)
+    refuse_empty_table(parser, "--mib", args.mib * 2**20, args.row_bytes)
+    return args
 
 
 def main(argv=None) -> int:

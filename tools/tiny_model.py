@@ -27,7 +27,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--out", type=Path,
                         help="where to write the tables (default: a temporary directory, removed "
                         "at the end)")
-    parser.add_argument("--device", metavar="cpu|cuda",
+    parser.add_argument("--device", choices=("cpu", "cuda"),
                         help="the torch device the model runs on (default: cuda when torch sees "
                         "a GPU, else cpu)")
     return parser.parse_args(argv)
