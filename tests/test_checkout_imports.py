@@ -1,0 +1,105 @@
+"""A checkout hides no package: Python started in its root (where ``make
+demo`` leaves a user and ``python -m pytest`` runs) finds the packages named
+like its folders kernels/, ops/, layers/ and tools/ wherever they are
+installed, Hugging Face's ``kernels`` among them, which transformers'
+models import; and Python started in the folder that holds a checkout named
+``ple`` imports the installed ple, not the checkout's top folder.  ple's own
+names stay where they were: ``ple.kernels``, ``ple.ops``, ``ple.layers``
+(with its layers by name) and ``ple_tools``."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+FOLDERS = ("kernels", "layers", "ops", "tools")
+
+
+def python(code: str, cwd: Path, *flags: str, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, *flags, "-c", code], cwd=cwd, capture_output=True,
+                          text=True, timeout=300, env={**os.environ, **env})
+
+
+def test_the_checkouts_folders_hide_no_package_of_their_names(tmp_path):
+    """Packages of these names installed anywhere on sys.path are found
+    before the checkout's folders, which come first there."""
+    for name in FOLDERS:
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "__init__.py").write_text(f"WHERE = {str(tmp_path)!r}\n")
+    run = python("import importlib, json, sys\n"
+                 f"print(json.dumps({{name: importlib.import_module(name).WHERE for name in {FOLDERS}}}))",
+                 REPO, PYTHONPATH=str(tmp_path))
+    assert run.returncode == 0, run.stderr
+    assert json.loads(run.stdout) == dict.fromkeys(FOLDERS, str(tmp_path))
+
+
+def test_transformers_models_import_in_the_checkout():
+    """transformers 5.25's models import Hugging Face's kernels package
+    (where it is installed); the checkout's kernels/ folder does not stand in
+    for it."""
+    pytest.importorskip("transformers")
+    run = python("import importlib.util\n"
+                 "import transformers.models.gemma3n.modeling_gemma3n\n"
+                 "import transformers.models.qwen4_exp.modeling_qwen4_exp\n"
+                 "spec = importlib.util.find_spec('kernels')\n"
+                 "print(spec.origin if spec.origin else list(spec.submodule_search_locations))",
+                 REPO)
+    assert run.returncode == 0, run.stderr
+    assert str(REPO / "kernels") not in run.stdout, run.stdout
+
+
+def test_ple_keeps_its_subpackages_and_names():
+    run = python("import json, torch, ple, ple_tools.make_table\n"
+                 "import ple.layers.lookahead\n"
+                 "from ple.layers import *\n"
+                 "from ple.kernels.native import native\n"
+                 "try:\n"
+                 "    ple.layers.DiskEmbeding\n"
+                 "except AttributeError as error:\n"
+                 "    unknown = str(error)\n"
+                 "print(json.dumps([sorted(ple.layers.__all__), DiskEmbedding.__module__,\n"
+                 "                  NGramHashing.__module__, hasattr(torch.ops.ple, 'disk_gather'),\n"
+                 "                  unknown]))",
+                 REPO)
+    assert run.returncode == 0, run.stderr
+    assert json.loads(run.stdout) == [
+        ["DiskEmbedding", "NGramEmbedding", "NGramHashing", "PackedGGUFEmbedding"],
+        "ple.layers.disk_embedding", "ple.layers.ngram_ids", True,
+        "module 'ple.layers' has no attribute 'DiskEmbeding'"]
+
+
+# ---- a checkout named ple in the working directory ----------------------------------------
+
+def test_beside_a_checkout_named_ple_python_imports_the_installed_ple(tmp_path):
+    """Python started in the folder that holds the checkout finds its top
+    folder as ``ple`` first; that folder gives way to the ple installed (here
+    the checkout's, in editable mode, as make installs it), the one Python
+    started anywhere else imports."""
+    (tmp_path / "ple").symlink_to(REPO)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    code = ("import json, torch, ple\nfrom ple.layers import DiskEmbedding\n"
+            "print(json.dumps([ple.__file__, ple.Table.__name__, DiskEmbedding.__name__, "
+            "hasattr(torch.ops.ple, 'disk_gather')]))")
+    beside, installed = python(code, tmp_path), python(code, elsewhere)
+    assert beside.returncode == 0, beside.stderr
+    assert installed.returncode == 0, installed.stderr
+    assert json.loads(beside.stdout) == json.loads(installed.stdout)
+    assert json.loads(beside.stdout)[1:] == ["Table", "DiskEmbedding", True]
+
+
+def test_beside_a_checkout_named_ple_without_ple_installed_python_says_so(tmp_path):
+    """-S: no site-packages, so no ple installed."""
+    (tmp_path / "ple").symlink_to(REPO)
+    run = python("import ple", tmp_path, "-S")
+    assert run.returncode == 1
+    assert run.stderr.strip().splitlines()[-1] == (
+        f"ImportError: 'ple' was imported from {tmp_path / 'ple'}, a checkout of the ple "
+        "repository, because Python runs in the folder that holds it; no ple is installed: "
+        "install it (README.md, Install)")
