@@ -1,7 +1,7 @@
 """tools/bench_prefill.py (ple-bench-prefill): on a small table, every arm
-(the window, direct I/O with a row cache, lookahead)
-runs in a child of its own and gives the same rows, which equal an
-independent NumPy reading of the shards; the table has the layout asked
+(the window, direct I/O with a row cache, lookahead over either) runs in a
+child of its own and gives the same rows, which equal an independent NumPy
+reading of the shards; lookahead takes every chunk from its prefetch; the table has the layout asked
 for; an arm past its deadline is reported as timed out, not waited for; the
 JSON document holds the arms, the token source and the goal check; real
 text is tokenized with GPT-2's BPE."""
@@ -23,7 +23,8 @@ from ple_tools.table_layout import Layout
 ROOT = Path(__file__).resolve().parents[1]
 TOOL = ROOT / "tools" / "bench_prefill.py"
 TOKENS = 3000  # two chunks of 2,048, the last one partial
-ARMS = ["window", "direct-cache:16", "lookahead"]  # the others are configs alike
+# The others are configs alike.
+ARMS = ["window", "direct-cache:16", "lookahead", "lookahead-direct-cache:16"]
 
 
 def run_tool(*args, timeout=240):
@@ -63,12 +64,24 @@ def test_every_arm_reports_its_figures_and_the_same_rows(quick):
         assert r["compute_s"] >= 2 * 0.020, arm  # the busy compute ran after each chunk
         assert r["pages"] > 0 and r["read_bytes"] > 0, arm  # cold: read from disk
     assert arms["direct-cache:16"]["row_cache_hits"] > 0 and arms["window"]["row_cache_hits"] == 0
-    assert arms["lookahead"]["prefetch_hits"] >= 1  # the second chunk came from its prefetch
-    assert arms["window"]["prefetch_hits"] == 0
-    check = doc["goal_check"]
+    assert arms["lookahead-direct-cache:16"]["row_cache_hits"] > 0
+    # Both chunks came from their prefetches, read while the chunk before computed.
+    assert arms["lookahead"]["prefetch_hits"] == arms["lookahead-direct-cache:16"]["prefetch_hits"] == 2
+    assert arms["window"]["prefetch_hits"] == arms["direct-cache:16"]["prefetch_hits"] == 0
+    assert arms["lookahead-direct-cache:16"]["direct_reads"] > 0
+    check = doc["goal_checks"]["lookahead"]
     assert check["reads_alone_s"] == arms["window"]["forward_s"]
     assert check["lookahead_s"] == arms["lookahead"]["seconds"]
-    assert "compute alone" in proc.stdout and "lookahead / no lookahead" in proc.stdout
+    cached = doc["goal_checks"]["lookahead-direct-cache:16"]
+    assert cached["reads_alone_s"] == arms["direct-cache:16"]["forward_s"]
+    assert cached["no_lookahead_s"] == arms["direct-cache:16"]["seconds"]
+    assert cached["lookahead_over_window_lookahead"] == (
+        arms["lookahead-direct-cache:16"]["seconds"] / arms["lookahead"]["seconds"])
+    assert cached["read_bytes_over_window_lookahead"] == (
+        arms["lookahead-direct-cache:16"]["read_bytes"] / arms["lookahead"]["read_bytes"])
+    assert "lookahead: compute alone" in proc.stdout and "lookahead / no lookahead" in proc.stdout
+    assert "lookahead-direct-cache:16: compute alone" in proc.stdout
+    assert "lookahead / lookahead over the window" in proc.stdout
     assert doc["source"]["tokens"] == TOKENS and "tokens_sha256" in doc["source"]
 
 
@@ -134,8 +147,10 @@ def test_the_partial_goal_check_compares_the_chunks_every_arm_finished():
                      "lookahead_over_no_lookahead": 2.75 / 3.0, "lookahead_over_max": 2.75 / 2.5,
                      "overlap_bound_s": 2.75, "bound_over_no_lookahead": 2.75 / 3.0,
                      "lookahead_over_bound": 1.0}
-    assert bench_prefill.partial_goal_check(results[:3]) is None  # no window arm
-    assert bench_prefill.partial_goal_check([*results[:3], arm("window", [])]) is None
+    assert bench_prefill.partial_goal_check(results[1:]) is None  # no reads arm
+    assert bench_prefill.partial_goal_check([arm("reads", []), *results[1:]]) is None
+    # Without the window arm: no "no lookahead" to compare with.
+    assert bench_prefill.partial_goal_check(results[:3])["no_lookahead_s"] is None
 
 
 def test_the_goal_check_through_a_model_names_the_least_any_overlap_takes():
@@ -154,6 +169,44 @@ def test_the_goal_check_through_a_model_names_the_least_any_overlap_takes():
         "1.10x of that")
 
 
+def test_arms_name_a_way_of_running_and_a_reader():
+    split = bench_prefill.split_arm
+    assert split("lookahead") == ("lookahead", "window") and split("reads") == ("reads", "window")
+    assert split("lookahead-direct-cache:512") == ("lookahead", "direct-cache:512")
+    assert split("reads-direct") == ("reads", "direct") and split("all") == ("", "all")
+    assert split("compute") == ("compute", None)
+    for arm in ("lookahead", "reads-direct-cache:8", "direct-cache:8", "window"):
+        assert bench_prefill.arm_name(*split(arm)) == arm
+    assert bench_prefill.cache_mib("lookahead-direct-cache:512") == 512
+    assert bench_prefill.cache_mib("reads-direct-cache:64") == 64
+    assert bench_prefill.cache_mib("lookahead") == 0
+    assert bench_prefill.arm_config("lookahead-direct-cache:8").row_cache_mib == 8
+    assert bench_prefill.arm_config("reads-direct").io == "direct"
+    with pytest.raises(KeyError):
+        bench_prefill.arm_config("lookahead-nothing")
+
+
+def test_the_goal_check_of_another_reader_compares_it_with_the_window():
+    results = [{"arm": "compute", "seconds": 10.0, "per_chunk_s": [5.0, 5.0], "sha256": "c"},
+               {"arm": "reads-direct-cache:512", "forward_s": 4.0, "per_chunk_s": [2.0, 2.0],
+                "sha256": "r"},
+               {"arm": "lookahead", "seconds": 12.0, "read_bytes": 4000, "sha256": "w"},
+               {"arm": "lookahead-direct-cache:512", "seconds": 10.5, "read_bytes": 500,
+                "sha256": "w"}]
+    check = bench_prefill.goal_check(results, True, "direct-cache:512")
+    assert check["reads_alone_s"] == 4.0 and check["no_lookahead_s"] is None
+    assert check["lookahead_over_max"] == 1.05 and check["overlap_bound_s"] == 12.0
+    assert check["lookahead_over_window_lookahead"] == 10.5 / 12.0
+    assert check["read_bytes_over_window_lookahead"] == 0.125
+    assert bench_prefill.goal_line(check, "direct-cache:512") == (
+        "lookahead-direct-cache:512: compute alone 10.00 s, reads alone 4.00 s, lookahead "
+        "10.50 s, lookahead / max(compute, reads) 1.05x (goal <= 1.05), lookahead / lookahead "
+        "over the window 0.88x (goal <= 0.75), bytes read / lookahead over the window's 0.12x "
+        "(goal <= 0.25); no overlap of these chunks takes less than 12.00 s, lookahead took "
+        "0.88x of that")
+    assert bench_prefill.goal_check(results, True) is None  # no reads arm over the window
+
+
 def test_through_a_model_lookahead_gives_the_same_first_token(quick, tokens_file):
     pytest.importorskip("transformers.models.qwen4_exp", reason="transformers has no Qwen4Exp")
     _, _, table = quick
@@ -165,17 +218,25 @@ def test_through_a_model_lookahead_gives_the_same_first_token(quick, tokens_file
     assert proc.returncode == 0, proc.stdout + proc.stderr
     doc = json.loads(out.read_text())["results"]
     arms = {r["arm"]: r for r in doc["arms"]}
-    assert list(arms) == ["compute", "reads", "window", "lookahead"] and doc["sha256_equal"]
-    assert arms["window"]["sha256"] == arms["lookahead"]["sha256"]
+    assert list(arms) == ["compute", "reads", "reads-direct-cache:16", "window", "lookahead",
+                          "lookahead-direct-cache:16"] and doc["sha256_equal"]
+    assert arms["window"]["sha256"] == arms["lookahead"]["sha256"] == \
+        arms["lookahead-direct-cache:16"]["sha256"]
+    assert arms["reads"]["sha256"] == arms["reads-direct-cache:16"]["sha256"]
     assert arms["window"]["output"] == "first token" and arms["reads"]["output"] == "rows"
     assert arms["compute"]["pages"] is None and arms["compute"]["read_bytes"] < 2**20
     assert arms["window"]["pages"] > 0 and arms["window"]["prefetch_hits"] == 0
-    assert arms["lookahead"]["prefetch_hits"] == 3  # every chunk's rows were read ahead
+    # Every chunk's rows were read ahead, through either reader.
+    assert arms["lookahead"]["prefetch_hits"] == arms["lookahead-direct-cache:16"]["prefetch_hits"] == 3
+    assert arms["lookahead-direct-cache:16"]["direct_reads"] > 0
     assert len(arms["window"]["per_chunk_s"]) == 3
-    check = doc["goal_check"]
+    check = doc["goal_checks"]["lookahead"]
     assert check["compute_alone_s"] == arms["compute"]["seconds"]
     assert check["reads_alone_s"] == arms["reads"]["forward_s"]
     assert check["no_lookahead_s"] == arms["window"]["seconds"]
+    cached = doc["goal_checks"]["lookahead-direct-cache:16"]
+    assert cached["reads_alone_s"] == arms["reads-direct-cache:16"]["forward_s"]
+    assert cached["lookahead_s"] == arms["lookahead-direct-cache:16"]["seconds"]
 
 
 def test_real_text_is_tokenized_with_gpt2s_bpe(tmp_path):

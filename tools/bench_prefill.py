@@ -27,6 +27,9 @@ Arms (--arms, in this order by default):
   lookahead       the window, with layer.lookahead(prompt, chunk) before the
                   first chunk and end_lookahead() after the last: the rows of
                   the coming chunks are read while the current one computes
+  lookahead-direct-cache:MiB   lookahead over direct I/O with a row cache
+                  of MiB (one arm per --caches value; lookahead-<arm> runs
+                  lookahead over any arm above)
 
 --model-layers N runs the arms through a Qwen4Exp-shaped model of N decoder
 layers with random weights (ple_tools.prefill_model: transformers'
@@ -40,16 +43,19 @@ it.  The arms then are:
   compute         compute alone: the model with a small n-gram table of its
                   own (base 1,000) in device memory, no reads
   reads           reads alone: the layer's forwards over the chunks, no model
+  reads-direct-cache:MiB   reads alone through direct I/O with a row cache
+                  (reads-<arm>: through any arm's reader)
   window, all, direct, direct-cache:MiB   the model, no lookahead
                   (lookahead_mib=0)
   lookahead       the model as loaded by default: generate looks ahead
                   (lookahead_mib=--lookahead-mib)
+  lookahead-direct-cache:MiB   the same over direct I/O with a row cache
 
 The model is built and warmed up (a chunked prefill of 32 tokens) before
 the arm enters its memory cgroup (its CUDA context, weights and libraries
 are not charged to it, nor timed), and so is the layer of an arm without a
 model (a call of 32 tokens); the arms through the model must
-give the same first token and logits (their SHA-256), the reads arm the
+give the same first token and logits (their SHA-256), the reads arms the
 same rows as the arms of the layer alone.
 
 Before each arm the table's pages are dropped from the page cache.  Under
@@ -63,16 +69,18 @@ prefetch hits); every arm is printed as it ends.
 --compute-ms N runs a busy compute stand-in after each chunk's forward
 (CUDA: matmuls calibrated to N ms, then a synchronize; CPU: a busy loop of
 N ms): a chunk then costs its reads plus its compute, or, with lookahead,
-about the larger of them.  The tool prints compute alone and reads alone
-(the window arm's compute and forward times), no lookahead (the window
-arm's total) and lookahead, with the goal ratios: lookahead over no
-lookahead (goal <= 0.6) and over max(compute, reads) (goal <= 1.15);
-through a model also the least time any overlap of the chunks takes (the
-compute and reads arms' chunks, the reads back to back from the start, a
-chunk computing once its reads and the chunk before are done) and
-lookahead over it.
+about the larger of them.  For each lookahead arm the tool prints compute
+alone and reads alone (its reader's arm's compute and forward times), no
+lookahead (that arm's total) and lookahead, with the goal ratios: over the
+window, lookahead over no lookahead (goal <= 0.6) and over max(compute,
+reads) (goal <= 1.15); over another reader, lookahead over max(compute,
+reads) (goal <= 1.05), and its time and bytes read over lookahead over the
+window's (goals <= 0.75 and <= 0.25); through a model also the least time
+any overlap of the chunks takes (the compute and reads arms' chunks, the
+reads back to back from the start, a chunk computing once its reads and the
+chunk before are done) and lookahead over it.
 Through a model, where one of those arms timed out, it prints the same
-ratios over the first chunks that all four finished, as not the goals.
+ratios over the first chunks that they all finished, as not the goals.
 
 Per arm: time (total, forwards, compute, per chunk), distinct pages the
 gathers touched (summed over chunks: Table.stats' unique_pages) against the
@@ -97,7 +105,8 @@ makes, when missing, with ``pip download --no-binary :all: openai-whisper==
 and token count are in the report.
 
 --quick: a table of about 262,000 rows (base 16,384, 8 shards over 4 files),
-8,192 tokens, caches 16 MiB, deadline 120 s: a run of well under a minute.
+8,192 tokens, caches 16 MiB (lookahead-direct-cache:16 among the arms),
+deadline 120 s: a run of well under a minute.
 """
 
 from __future__ import annotations
@@ -240,20 +249,50 @@ def hashing_of(base: int):
     return NGramHashing(**FLASH_NEXT, base_size=base)
 
 
+def split_arm(arm: str) -> tuple[str, str | None]:
+    """An arm's way of running (COMPUTE, READS, LOOKAHEAD, or "" for the
+    reader alone) and its reader (None for COMPUTE): ``lookahead`` and
+    ``reads`` run the window, ``lookahead-<reader>`` and ``reads-<reader>``
+    another reader."""
+    if arm == COMPUTE:
+        return COMPUTE, None
+    for way in (LOOKAHEAD, READS):
+        if arm == way:
+            return way, WINDOW
+        if arm.startswith(way + "-"):
+            return way, arm.removeprefix(way + "-")
+    return "", arm
+
+
+def arm_name(way: str, reader: str) -> str:
+    """split_arm's inverse."""
+    if not way:
+        return reader
+    return way if reader == WINDOW else f"{way}-{reader}"
+
+
 def arm_config(arm: str):
+    """The GatherConfig of an arm's reader (None for COMPUTE); KeyError or
+    ValueError for an arm that names none."""
     import ple
 
-    kind, _, value = arm.partition(":")
+    _, reader = split_arm(arm)
+    if reader is None:
+        return None
+    kind, _, value = reader.partition(":")
     if kind == "direct-cache":
         return ple.GatherConfig(io="direct", row_cache_mib=int(value))
-    return {WINDOW: ple.GatherConfig(), LOOKAHEAD: ple.GatherConfig(), READS: ple.GatherConfig(),
-            COMPUTE: None,
-            "all": ple.GatherConfig.from_spec("all"),
-            "direct": ple.GatherConfig(io="direct")}[kind]
+    return {WINDOW: ple.GatherConfig(), "all": ple.GatherConfig.from_spec("all"),
+            "direct": ple.GatherConfig(io="direct")}[reader]
 
 
 def cache_mib(arm: str) -> int:
-    return int(arm.partition(":")[2]) if arm.startswith("direct-cache:") else 0
+    _, reader = split_arm(arm)
+    return int(reader.partition(":")[2]) if reader and reader.startswith("direct-cache:") else 0
+
+
+def looks_ahead(arm: str) -> bool:
+    return split_arm(arm)[0] == LOOKAHEAD
 
 
 def lookahead_available() -> bool:
@@ -308,7 +347,7 @@ def model_of(spec: dict, table_files):
     config = prefill_model.flash_next_config(
         layers=spec["model_layers"], experts=spec["model_experts"], hidden=spec["model_hidden"],
         hashing=FLASH_NEXT, base=base, shards=spec["shards"])
-    ahead = spec["lookahead_mib"] if spec["arm"] == LOOKAHEAD else 0
+    ahead = spec["lookahead_mib"] if looks_ahead(spec["arm"]) else 0
     return prefill_model.build(config, torch.device(spec["device"]), table_files=files,
                                gather_config=None if files is None else arm_config(spec["arm"]),
                                lookahead_mib=ahead)
@@ -412,7 +451,7 @@ def run_arm(spec: dict, layer, write_line) -> dict:
     forward_s = compute_s = 0.0
     before, read0 = table.stats(), disk_read_bytes()
     start = time.perf_counter()
-    if spec["arm"] == LOOKAHEAD:
+    if looks_ahead(spec["arm"]):
         layer.lookahead(tokens, chunk, max_bytes=spec["lookahead_mib"] * MiB)
     try:
         for index, first in enumerate(range(0, len(tokens), chunk)):
@@ -430,7 +469,7 @@ def run_arm(spec: dict, layer, write_line) -> dict:
             write_line({"chunk": index, "forward_s": t1 - t0, "compute_s": t2 - t1,
                         "reads": reads_record(table, before, read0)})
     finally:
-        if spec["arm"] == LOOKAHEAD:
+        if looks_ahead(spec["arm"]):
             layer.end_lookahead()
     total = time.perf_counter() - start
     return {"arm": spec["arm"], "seconds": total, "forward_s": forward_s, "compute_s": compute_s,
@@ -451,7 +490,7 @@ def child_main(spec_json: str) -> None:
     from ple_tools.table_layout import PAGE
 
     spec = json.loads(spec_json)
-    through_model = spec["model_layers"] and spec["arm"] != READS
+    through_model = spec["model_layers"] and split_arm(spec["arm"])[0] != READS
     if through_model:
         from ple_tools.table_layout import Layout
 
@@ -562,30 +601,49 @@ HEADER = (f"{'arm':<18} {'total s':>8} {'reads s':>8} {'compute':>8} {'chunk ms'
           f"{'pf.hit':>6}  sha256")
 
 
-def goal_check(results: list[dict], through_model: bool) -> dict | None:
-    """Compute alone, reads alone, lookahead and no lookahead (the window
-    arm), and the goal ratios; None unless the arms they need finished.
-    Through a model compute alone and reads alone are their own arms';
-    otherwise the window arm's compute and forward times."""
+def goal_check(results: list[dict], through_model: bool, reader: str = WINDOW) -> dict | None:
+    """Compute alone, reads alone, no lookahead (the reader's arm, where it
+    ran) and lookahead over ``reader``, and the goal ratios; None unless
+    the arms they need finished.  Through a model compute alone and reads
+    alone are their own arms' (``reads`` or ``reads-<reader>``); otherwise
+    the reader's arm's compute and forward times.  A reader other than the
+    window is also compared with lookahead over the window."""
     by_arm = {r["arm"]: r for r in results if "sha256" in r}
-    window, ahead = by_arm.get(WINDOW), by_arm.get(LOOKAHEAD)
-    compute, reads = (by_arm.get(COMPUTE), by_arm.get(READS)) if through_model else (window, window)
-    if None in (window, ahead, compute, reads):
+    plain, ahead = by_arm.get(reader), by_arm.get(arm_name(LOOKAHEAD, reader))
+    compute, reads = ((by_arm.get(COMPUTE), by_arm.get(arm_name(READS, reader))) if through_model
+                      else (plain, plain))
+    if None in (ahead, compute, reads):
         return None
     check = goal_ratios(compute["seconds" if through_model else "compute_s"], reads["forward_s"],
-                        window["seconds"], ahead["seconds"])
+                        plain and plain["seconds"], ahead["seconds"])
+    window_ahead = by_arm.get(LOOKAHEAD)
+    if reader != WINDOW and window_ahead is not None:
+        check.update(against_window_lookahead(ahead["seconds"], window_ahead["seconds"],
+                                              ahead["read_bytes"], window_ahead["read_bytes"]))
     if through_model:  # a finished arm has a time for every chunk
         return with_overlap_bound(check, compute["per_chunk_s"], reads["per_chunk_s"])
     return check
 
 
+def against_window_lookahead(seconds: float, window_seconds: float, read_bytes: int | None,
+                             window_read_bytes: int | None) -> dict:
+    """Lookahead over another reader against lookahead over the window: the
+    time, and the bytes read where both are known."""
+    against = {"window_lookahead_s": window_seconds,
+               "lookahead_over_window_lookahead": seconds / window_seconds}
+    if read_bytes is not None and window_read_bytes:
+        against["read_bytes_over_window_lookahead"] = read_bytes / window_read_bytes
+    return against
+
+
 def with_overlap_bound(check: dict, compute_chunks: list[float], reads_chunks: list[float]) -> dict:
     """``check`` (goal_ratios') with the overlap bound of these chunks, and
-    no lookahead and lookahead over it."""
+    no lookahead (where it ran) and lookahead over it."""
     bound = overlap_bound(compute_chunks, reads_chunks)
-    return {**check, "overlap_bound_s": bound,
-            "bound_over_no_lookahead": bound / check["no_lookahead_s"],
-            "lookahead_over_bound": check["lookahead_s"] / bound}
+    check = {**check, "overlap_bound_s": bound, "lookahead_over_bound": check["lookahead_s"] / bound}
+    if check["no_lookahead_s"] is not None:
+        check["bound_over_no_lookahead"] = bound / check["no_lookahead_s"]
+    return check
 
 
 def overlap_bound(compute_chunks: list[float], reads_chunks: list[float]) -> float:
@@ -600,37 +658,66 @@ def overlap_bound(compute_chunks: list[float], reads_chunks: list[float]) -> flo
     return done
 
 
-def partial_goal_check(results: list[dict]) -> dict | None:
-    """Through a model, where an arm it needs timed out: the goal ratios and
-    the overlap bound over the first chunks that the compute, reads, window
-    and lookahead arms all finished (their chunks' times), with their count;
-    None where one of those arms did not run or finished no chunk."""
+def partial_goal_check(results: list[dict], reader: str = WINDOW) -> dict | None:
+    """Through a model, where an arm it needs timed out: goal_check's
+    ratios and the overlap bound over the first chunks that the compute,
+    reads and lookahead arms of ``reader`` all finished (and the reader's
+    own arm and, for another reader, lookahead over the window, where they
+    ran), with their count; None where one of the three did not run or
+    finished no chunk."""
     by_arm = {r["arm"]: r for r in results if r.get("per_chunk_s")}
-    arms = [by_arm.get(arm) for arm in (COMPUTE, READS, WINDOW, LOOKAHEAD)]
-    if None in arms:
+    needed = [by_arm.get(arm) for arm in (COMPUTE, arm_name(READS, reader),
+                                          arm_name(LOOKAHEAD, reader))]
+    if None in needed:
         return None
-    chunks = min(len(r["per_chunk_s"]) for r in arms)
-    compute, reads, window, ahead = (r["per_chunk_s"][:chunks] for r in arms)
-    check = goal_ratios(sum(compute), sum(reads), sum(window), sum(ahead))
-    return {"chunks": chunks, **with_overlap_bound(check, compute, reads)}
+    plain = by_arm.get(reader)
+    window_ahead = by_arm.get(LOOKAHEAD) if reader != WINDOW else None
+    chunks = min(len(r["per_chunk_s"]) for r in [*needed, plain, window_ahead] if r is not None)
+    compute, reads, ahead = (sum(r["per_chunk_s"][:chunks]) for r in needed)
+    check = goal_ratios(compute, reads, plain and sum(plain["per_chunk_s"][:chunks]), ahead)
+    if window_ahead is not None:
+        check.update(against_window_lookahead(ahead, sum(window_ahead["per_chunk_s"][:chunks]),
+                                              None, None))
+    return {"chunks": chunks, **with_overlap_bound(check, needed[0]["per_chunk_s"][:chunks],
+                                                   needed[1]["per_chunk_s"][:chunks])}
 
 
-def goal_ratios(compute: float, reads: float, no_lookahead: float, lookahead: float) -> dict:
-    return {"compute_alone_s": compute, "reads_alone_s": reads, "no_lookahead_s": no_lookahead,
-            "lookahead_s": lookahead, "lookahead_over_no_lookahead": lookahead / no_lookahead,
-            "lookahead_over_max": lookahead / max(compute, reads)}
+def goal_ratios(compute: float, reads: float, no_lookahead: float | None, lookahead: float) -> dict:
+    check = {"compute_alone_s": compute, "reads_alone_s": reads, "no_lookahead_s": no_lookahead,
+             "lookahead_s": lookahead, "lookahead_over_max": lookahead / max(compute, reads)}
+    if no_lookahead is not None:
+        check["lookahead_over_no_lookahead"] = lookahead / no_lookahead
+    return check
 
 
-def goal_line(check: dict) -> str:
-    return (f"compute alone {check['compute_alone_s']:.2f} s, reads alone "
-            f"{check['reads_alone_s']:.2f} s, no lookahead {check['no_lookahead_s']:.2f} s, "
-            f"lookahead {check['lookahead_s']:.2f} s: lookahead / no lookahead "
-            f"{check['lookahead_over_no_lookahead']:.2f}x (goal <= 0.6), lookahead / "
-            f"max(compute, reads) {check['lookahead_over_max']:.2f}x (goal <= 1.15)"
+# The goals of lookahead over the window, and over another reader (direct
+# I/O with a row cache, at the full size through a model).
+WINDOW_GOALS = {"lookahead_over_no_lookahead": 0.6, "lookahead_over_max": 1.15}
+READER_GOALS = {"lookahead_over_max": 1.05, "lookahead_over_window_lookahead": 0.75,
+                "read_bytes_over_window_lookahead": 0.25}
+
+
+def goal_line(check: dict, reader: str = WINDOW) -> str:
+    goals = WINDOW_GOALS if reader == WINDOW else READER_GOALS
+
+    def ratio(key: str, what: str) -> str:
+        goal = f" (goal <= {goals[key]:g})" if key in goals else ""
+        return f", {what} {check[key]:.2f}x{goal}" if key in check else ""
+
+    no_lookahead = check["no_lookahead_s"]
+    return (f"{arm_name(LOOKAHEAD, reader)}: compute alone {check['compute_alone_s']:.2f} s, "
+            f"reads alone {check['reads_alone_s']:.2f} s, "
+            + ("" if no_lookahead is None else f"no lookahead {no_lookahead:.2f} s, ")
+            + f"lookahead {check['lookahead_s']:.2f} s"
+            + ratio("lookahead_over_no_lookahead", "lookahead / no lookahead")
+            + ratio("lookahead_over_max", "lookahead / max(compute, reads)")
+            + ratio("lookahead_over_window_lookahead", "lookahead / lookahead over the window")
+            + ratio("read_bytes_over_window_lookahead", "bytes read / lookahead over the window's")
             + ("" if "overlap_bound_s" not in check else
-               f"; no overlap of these chunks takes less than {check['overlap_bound_s']:.2f} s "
-               f"({check['bound_over_no_lookahead']:.2f}x no lookahead), lookahead took "
-               f"{check['lookahead_over_bound']:.2f}x of that"))
+               f"; no overlap of these chunks takes less than {check['overlap_bound_s']:.2f} s"
+               + ("" if "bound_over_no_lookahead" not in check else
+                  f" ({check['bound_over_no_lookahead']:.2f}x no lookahead)")
+               + f", lookahead took {check['lookahead_over_bound']:.2f}x of that"))
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -696,11 +783,11 @@ def parse_args(argv=None) -> argparse.Namespace:
 def default_arms(args) -> list[str]:
     if args.arms:
         return [a.strip() for a in args.arms.split(",") if a.strip()]
+    caches = [f"direct-cache:{int(m)}" for m in args.caches.split(",") if m.strip()]
     if args.model_layers:
-        return [COMPUTE, READS, WINDOW, LOOKAHEAD]
-    return ([WINDOW, "all", "direct"]
-            + [f"direct-cache:{int(m)}" for m in args.caches.split(",") if m.strip()]
-            + [LOOKAHEAD])
+        return ([COMPUTE, READS] + [arm_name(READS, c) for c in caches] + [WINDOW, LOOKAHEAD]
+                + [arm_name(LOOKAHEAD, c) for c in caches])
+    return [WINDOW, "all", "direct", *caches, LOOKAHEAD] + [arm_name(LOOKAHEAD, c) for c in caches]
 
 
 def main(argv=None) -> int:
@@ -735,10 +822,10 @@ def run(args) -> tuple[int, dict | None]:
     if not args.model_layers and COMPUTE in arms:
         print("error: the compute arm needs --model-layers", file=sys.stderr)
         return 2, None
-    if LOOKAHEAD in arms and not lookahead_available():
+    if any(map(looks_ahead, arms)) and not lookahead_available():
         print("lookahead: not available (this ple's NGramEmbedding has no lookahead()); "
-              "the arm is left out", file=sys.stderr)
-        arms.remove(LOOKAHEAD)
+              "its arms are left out", file=sys.stderr)
+        arms = [arm for arm in arms if not looks_ahead(arm)]
     if args.memory_limit is not None:
         try:
             MemoryCgroup(f"ple-bench-{os.getpid()}-probe", args.memory_limit).remove()
@@ -804,21 +891,25 @@ def run(args) -> tuple[int, dict | None]:
             print(f"FAIL: the arms gave different {output}s")
     if timed_out:
         print(f"timed out (killed at {args.deadline:.0f} s): {', '.join(timed_out)}")
-    check = (goal_check(results, bool(args.model_layers))
-             if args.compute_ms > 0 or args.model_layers else None)
-    partial = partial_goal_check(results) if args.model_layers and not check else None
-    if check:
-        print(goal_line(check))
-    if partial:
-        print(f"not the goals (an arm timed out), over the first {partial['chunks']} chunks "
-              f"every arm finished: {goal_line(partial)}")
+    checks, partials = {}, {}
+    for reader in [split_arm(arm)[1] for arm in arms if looks_ahead(arm)]:
+        name = arm_name(LOOKAHEAD, reader)
+        checks[name] = (goal_check(results, bool(args.model_layers), reader)
+                        if args.compute_ms > 0 or args.model_layers else None)
+        partials[name] = (partial_goal_check(results, reader)
+                          if args.model_layers and not checks[name] else None)
+        if checks[name]:
+            print(goal_line(checks[name], reader))
+        if partials[name]:
+            print(f"not the goals (an arm timed out), over the first {partials[name]['chunks']} "
+                  f"chunks every arm finished: {goal_line(partials[name], reader)}")
     document = {"setup": setup, "source": source, "prompt_pages": prompt_pages,
                 "row_reads": len(row_ids), "chunks": chunks, "table_seconds": table_s,
                 "table": {"num_rows": layout.num_rows, "shard_rows": layout.shard_rows,
                           "files": [str(p) for p in layout.paths]},
                 "arms": results, "sha256_equal": not differ, "failed_arms": failed,
-                "timed_out_arms": timed_out, "goal_check": check,
-                "partial_goal_check": partial}
+                "timed_out_arms": timed_out, "goal_checks": checks,
+                "partial_goal_checks": partials}
     return (1 if failed or differ else 0), document
 
 
