@@ -38,12 +38,16 @@ class DiskEmbedding(LooksAhead, PlacesServedRows, torch.nn.Module):
     ``torch.ops.ple.disk_gather``'s argument).  False, the default, is the
     lookup above: ``W`` is the float32 product value x scale, cast to
     ``dtype``, as for an ``nn.Embedding`` over the dequantized table.  True
-    multiplies in ``dtype`` by the scale rounded to ``dtype``,
-    ``values.to(dtype) * scale.to(dtype)``, as transformers' ``FP8Embedding``
-    does once its loader has cast ``weight_scale`` to the model's dtype (the
-    transformers integration's modules take it); the two differ where the
-    scale is not a value of ``dtype``.  With True a scaled table gives no
-    float64 rows: there that product is exact, which float32 rows cannot be.
+    is the arithmetic of transformers' ``FP8Embedding`` (the transformers
+    integration's modules take it): the module holds the scale as that
+    module holds its ``weight_scale``, in a non-persistent buffer
+    ``weight_scale`` of ``dtype`` (the table's scale cast to ``dtype``, as
+    the loader casts the checkpoint's float32 scale), which every cast of
+    the module casts as it casts the model's, and the rows are
+    ``values.to(dtype) * weight_scale``.  So after ``.to(torch.float16)`` of
+    a bfloat16 module the scale is the bfloat16 scale rounded again to
+    float16, and after ``.float()`` the bfloat16 scale, as in the model.  The
+    two arithmetics differ where the scale is not a value of ``dtype``.
 
     ``process_group``: split the table's rows across its ranks
     (``ple.layers.parallel``); every rank returns the full rows, and
@@ -64,7 +68,7 @@ class DiskEmbedding(LooksAhead, PlacesServedRows, torch.nn.Module):
         self.split = None if process_group is None else RowSplit.for_group(table.num_rows,
                                                                            process_group)
         self.table = table
-        self.round_scale = round_scale
+        self._round_scale = round_scale
         self.num_embeddings = table.num_rows
         self.embedding_dim = table.cols
         # Only recorded, as nn.Embedding's: it changes gradients, never the lookup.
@@ -74,6 +78,15 @@ class DiskEmbedding(LooksAhead, PlacesServedRows, torch.nn.Module):
         self.register_buffer("dtype_tracker", torch.empty(0, dtype=dtype, device=device or "cpu"),
                              persistent=False)
         self._meta_weight: torch.Tensor | None = None
+        # weight_scale's value, read when a cast changes it: the gathers take
+        # it as a number, and reading a CUDA buffer in a forward would sync.
+        self._scale_value: float | None = None
+        if round_scale and table.row_format.scaled:
+            # [1], the shape of FP8Embedding's weight_scale.
+            self.register_buffer("weight_scale",
+                                 torch.empty(1, dtype=dtype, device=device or "cpu"),
+                                 persistent=False)
+            self.reset_scale()
 
     @classmethod
     def from_safetensors(cls, paths: PathsLike, tensor: str | None = None, *,
@@ -109,6 +122,38 @@ class DiskEmbedding(LooksAhead, PlacesServedRows, torch.nn.Module):
         return self.dtype_tracker.dtype
 
     @property
+    def round_scale(self) -> bool:
+        """The arithmetic of scaled rows, chosen when the module is made (it
+        decides whether the module holds a ``weight_scale``)."""
+        return self._round_scale
+
+    @torch.no_grad()
+    def reset_scale(self) -> None:
+        """Sets ``weight_scale`` (with ``round_scale``, over a scaled table) to
+        the table's scale cast to ``dtype``, as a loader casts a checkpoint's
+        float32 scale: transformers' loader replaces every non-persistent
+        buffer with an empty one."""
+        if self._holds_scale():
+            self.weight_scale.copy_(torch.tensor(self.table.scale, dtype=torch.float32,
+                                                 device=self.weight_scale.device))
+            self._read_scale()
+
+    def _holds_scale(self) -> bool:
+        return "weight_scale" in self._buffers
+
+    def _read_scale(self) -> None:
+        if not self.weight_scale.is_meta:
+            self._scale_value = float(self.weight_scale)
+
+    def _apply(self, fn, recurse: bool = True):
+        # Every cast and move of a module (.to, .half, .float, .bfloat16,
+        # .double, .cuda) runs _apply, which casts weight_scale.
+        super()._apply(fn, recurse)
+        if self._holds_scale():
+            self._read_scale()
+        return self
+
+    @property
     def weight(self) -> torch.Tensor:
         """A meta tensor of the table's shape and ``dtype``: what code that
         reads ``embedding.weight.shape``, ``.dtype`` or ``.device`` needs to
@@ -132,21 +177,23 @@ class DiskEmbedding(LooksAhead, PlacesServedRows, torch.nn.Module):
         super().__setattr__(name, value)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        rows = self._rows(ids)
-        if self._lookahead is not None:
-            self._gathered(ids)
-        return rows
+        if self._lookahead is None:
+            return self._rows(ids)
+        return self._gather_planned(self._rows, ids)
 
     def _rows(self, ids: torch.Tensor) -> torch.Tensor:
         dtype = self.dtype
         if dtype in OUTPUT_DTYPES:
-            return gather(self.table, ids, dtype, self.split, self.round_scale)
+            # The decoders' float32 product of the values and weight_scale,
+            # rounded once to dtype, is torch's product in dtype
+            # (ple.formats.applied_scale).
+            return gather(self.table, ids, dtype, self.split, self.round_scale, self._scale_value)
         if dtype not in DTYPES:  # cast by .to() to a dtype no table's values widen to exactly
             raise TypeError(f"DiskEmbedding gives rows in {DTYPES}, not {dtype}")
-        if self.round_scale and self.table.row_format.scaled:
-            raise TypeError(f"DiskEmbedding(round_scale=True) over the {self.table.format} "
-                            f"table {self.table.name!r} gives no {dtype} rows: values.to({dtype}) "
-                            "* scale is exact there, and the rows are gathered in float32")
+        if self._holds_scale():
+            # float64: the values (exact in float32) times weight_scale, in float64.
+            values = gather(self.table, ids, torch.float32, self.split, scale=1.0)
+            return values.to(dtype) * self.weight_scale
         return gather(self.table, ids, torch.float32, self.split).to(dtype)
 
     def prefetch(self, ids: torch.Tensor) -> None:

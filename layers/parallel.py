@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ple.table import Table
+from ple.table import Table, check_dense_ids
 
 
 def row_range(num_rows: int, rank: int, world_size: int) -> tuple[int, int]:
@@ -77,13 +77,16 @@ class RowSplit:
 
 
 def gather(table: Table, ids: torch.Tensor, dtype: torch.dtype, split: RowSplit | None,
-           round_scale: bool = False) -> torch.Tensor:
+           round_scale: bool = False, scale: float | None = None) -> torch.Tensor:
     """The rows ``ids`` of ``table`` as ``dtype`` ``[*ids.shape, cols]``, on
-    ``ids``' device, scaled as ``round_scale`` says (``disk_gather``'s
-    argument); with a split, this rank's share summed over the group."""
+    ``ids``' device, scaled as ``round_scale`` and ``scale`` say
+    (``disk_gather``'s arguments); with a split, this rank's share summed
+    over the group."""
+    check_dense_ids(ids, "ple's embedding layers")
     if split is None:
-        return torch.ops.ple.disk_gather(ids, table.handle, dtype, round_scale)
-    rows = torch.ops.ple.disk_gather(split.ids_to_gather(ids), table.handle, dtype, round_scale)
+        return torch.ops.ple.disk_gather(ids, table.handle, dtype, round_scale, scale)
+    rows = torch.ops.ple.disk_gather(split.ids_to_gather(ids), table.handle, dtype, round_scale,
+                                     scale)
     rows = split.keep_own_rows(rows, ids)
     dist.all_reduce(rows, group=split.process_group)
     return rows
@@ -99,10 +102,11 @@ def served_rows(split: RowSplit | None, start: int, stop: int) -> tuple[int, int
     return begin, max(begin, min(stop, split.stop))
 
 
-def prefetch(table: Table, ids: torch.Tensor, split: RowSplit | None) -> None:
+def prefetch(table: Table, ids: torch.Tensor, split: RowSplit | None, owner: int = 0) -> int:
     """Starts gathering the host ids ``ids`` exactly as :func:`gather` will ask
-    for them (the prefetch serves only an equal request)."""
-    table.prefetch(ids if split is None else split.ids_to_gather(ids))
+    for them (the prefetch serves only a request of these ids first), for
+    ``owner``; returns its ticket (``Table.prefetch``)."""
+    return table.prefetch(ids if split is None else split.ids_to_gather(ids), owner)
 
 
 class PlacesServedRows:

@@ -18,24 +18,55 @@ scale (a scale rounded to bfloat16 is off by up to 2**-9 of itself, and
 every value carries that error), and because with it the rows in any dtype are
 the float32 rows cast; the layers that stand in for a model's module pass
 that module's choice.
+
+``scale`` (default: the table's) is the value the scaled rows' values are
+multiplied by, rounded as ``round_scale`` says: a module that holds its scale
+as a tensor of its own (``ple.layers.DiskEmbedding``), cast with the module
+as a model casts its ``weight_scale``, passes that tensor's value.
 """
 
 from __future__ import annotations
+
+import sys
+import weakref
 
 import torch
 
 from ple.formats import OUTPUT_DTYPES, applied_scale
 from ple.kernels.decode import decode_rows
-from ple.table import Table, table_for_handle
+from ple.table import Table, check_dense_ids, table_for_handle
 
 _lib = torch.library.Library("ple", "DEF")
 _lib.define("disk_gather_bytes(Tensor ids, str table) -> Tensor")
 _lib.define("disk_gather(Tensor ids, str table, ScalarType? dtype=None, bool round_scale=False"
-            ") -> Tensor")
+            ", float? scale=None) -> Tensor")
+
+# What a gather says once Python has begun to finalize: by then the operators
+# may be gone with the modules that define them.
+EXITING = ("ple: the process is exiting (Python is finalizing its modules): no gather runs now; "
+           "gather before the interpreter exits (an atexit handler still may)")
+
+
+def _keep_registered_while_python_runs(library: torch.library.Library) -> None:
+    """torch undoes a Library's registrations when it is collected and, through
+    the weakref.finalize that does it, in an atexit hook, while daemon threads
+    still run: a gather of theirs would then fail inside torch ("'_OpNamespace'
+    'ple' object has no attribute 'disk_gather'", an INTERNAL ASSERT, or a
+    crash).  ple's operators stay registered until the module is collected,
+    when Python finalizes (and no thread but the finalizing one runs)."""
+    for finalizer in list(getattr(weakref.finalize, "_registry", ())):
+        state = finalizer.peek()
+        if state is not None and state[0] is library:
+            finalizer.atexit = False
+
+
+_keep_registered_while_python_runs(_lib)
 
 
 def _checked(ids: torch.Tensor, handle: str, dtype: torch.dtype | None = None
              ) -> tuple[Table, torch.dtype]:
+    if sys.is_finalizing():
+        raise RuntimeError(EXITING)
     table = table_for_handle(handle)
     if ids.dtype not in (torch.int32, torch.int64):
         raise TypeError(f"ple.disk_gather: ids must be an int32 or int64 tensor, not {ids.dtype}")
@@ -53,7 +84,13 @@ def gather(table: Table, ids, dtype: torch.dtype | None = None, round_scale: boo
     if not isinstance(table, Table):
         raise TypeError(f"ple.gather takes a ple.Table, not {type(table).__name__} (the operators "
                         "take table.handle)")
-    return torch.ops.ple.disk_gather(torch.as_tensor(ids), table.handle, dtype, round_scale)
+    if sys.is_finalizing():
+        raise RuntimeError(EXITING)
+    ids = torch.as_tensor(ids)
+    # Here too: torch.inference_mode sends a jagged nested tensor to its own
+    # dispatch, which knows no ple operator.
+    check_dense_ids(ids, "ple.gather")
+    return torch.ops.ple.disk_gather(ids, table.handle, dtype, round_scale)
 
 
 @torch.library.impl(_lib, "disk_gather_bytes", "CPU")
@@ -64,19 +101,23 @@ def _disk_gather_bytes_cpu(ids: torch.Tensor, table: str) -> torch.Tensor:
 
 @torch.library.impl(_lib, "disk_gather", "CPU")
 def _disk_gather_cpu(ids: torch.Tensor, table: str, dtype: torch.dtype | None = None,
-                     round_scale: bool = False) -> torch.Tensor:
+                     round_scale: bool = False, scale: float | None = None) -> torch.Tensor:
     checked, dtype = _checked(ids, table, dtype)
     return decode_rows(checked.gather_bytes(ids), checked.row_format,
-                       applied_scale(checked.scale, dtype, round_scale), dtype)
+                       _applied(checked, dtype, round_scale, scale), dtype)
 
 
 @torch.library.impl(_lib, "disk_gather", "CUDA")
 def _disk_gather_cuda(ids: torch.Tensor, table: str, dtype: torch.dtype | None = None,
-                      round_scale: bool = False) -> torch.Tensor:
+                      round_scale: bool = False, scale: float | None = None) -> torch.Tensor:
     from .disk_gather_cuda import disk_gather_cuda  # needs triton, which only CUDA calls need
 
     checked, dtype = _checked(ids, table, dtype)
-    return disk_gather_cuda(checked, ids, dtype, applied_scale(checked.scale, dtype, round_scale))
+    return disk_gather_cuda(checked, ids, dtype, _applied(checked, dtype, round_scale, scale))
+
+
+def _applied(table: Table, dtype: torch.dtype, round_scale: bool, scale: float | None) -> float:
+    return applied_scale(table.scale if scale is None else float(scale), dtype, round_scale)
 
 
 @torch.library.register_fake("ple::disk_gather_bytes", lib=_lib)
@@ -87,6 +128,22 @@ def _disk_gather_bytes_fake(ids: torch.Tensor, table: str) -> torch.Tensor:
 
 @torch.library.register_fake("ple::disk_gather", lib=_lib)
 def _disk_gather_fake(ids: torch.Tensor, table: str, dtype: torch.dtype | None = None,
-                      round_scale: bool = False) -> torch.Tensor:
+                      round_scale: bool = False, scale: float | None = None) -> torch.Tensor:
     checked, dtype = _checked(ids, table, dtype)
     return ids.new_empty((*ids.shape, checked.cols), dtype=dtype)
+
+
+def _refusing_layouts(op: str):
+    """The kernel of ``op`` for sparse and nested ids, which reach the operators
+    through the dispatch keys of their layouts, where torch would say only
+    that no kernel is registered for them."""
+    def refuse(ids: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        check_dense_ids(ids, f"ple.{op}")
+        raise AssertionError(f"only sparse and nested ids reach this kernel, not {ids.layout}")
+    return refuse
+
+
+for _op in ("disk_gather", "disk_gather_bytes"):
+    for _key in ("SparseCPU", "SparseCUDA", "SparseCsrCPU", "SparseCsrCUDA", "NestedTensorCPU",
+                 "NestedTensorCUDA", "AutogradNestedTensor"):
+        _lib.impl(_op, _refusing_layouts(_op), _key)

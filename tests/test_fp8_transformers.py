@@ -7,14 +7,18 @@ published FP8 checkpoint has them.  transformers loads it with its
 ``FP8Embedding`` (``rows.to(dtype) * weight_scale``, the scale cast to the
 model's dtype by its loader); ple's layers and ``from_pretrained`` must give
 the same rows and logits in bfloat16, float16 and float32, at scales that are
-no bfloat16 or float16 value (1e-3, 3e-4, 7.3e-5) and at a power of two.  The
-CUDA test (skipped without a GPU) runs both models on the GPU.
+no bfloat16 or float16 value (1e-3, 3e-4, 7.3e-5) and at a power of two, as
+loaded and after any sequence of casts of the model (``to``, ``half``,
+``float``, ``bfloat16``, ``double``).  The CUDA tests (skipped without a GPU)
+run both models on the GPU.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import re
+import shutil
 
 import pytest
 import torch
@@ -28,6 +32,7 @@ from transformers import Qwen4ExpForCausalLM, Qwen4ExpTextConfig  # noqa: E402
 
 from helpers import quiet_transformers  # noqa: E402, F401 (an autouse fixture)
 from helpers import assert_same_bits  # noqa: E402
+import ple.integrations.transformers as integration  # noqa: E402
 from ple.integrations.transformers import from_pretrained, tables  # noqa: E402
 from ple.layers import DiskEmbedding, NGramEmbedding  # noqa: E402
 from ple_tools.bench_transformers import MODEL_CONFIG  # noqa: E402
@@ -48,9 +53,16 @@ def checkpoint(request, tmp_path_factory):
     """The FP8 checkpoint of a tiny Qwen4Exp whose n-gram tables are scaled by
     ``request.param``; the shards over several files."""
     scale = request.param
+    directory = tmp_path_factory.mktemp(f"fp8-{scale:g}")
+    write_checkpoint(directory, scale)
+    return directory, scale
+
+
+def write_checkpoint(directory, scale: float, converted: bool = True) -> None:
+    """The checkpoint, in ``directory``; ``converted``: its config's
+    quantization_config converts the n-gram embeddings (else it has none)."""
     torch.manual_seed(0)
     model = Qwen4ExpForCausalLM(Qwen4ExpTextConfig(**CONFIG)).eval()
-    directory = tmp_path_factory.mktemp(f"fp8-{scale:g}")
     model.save_pretrained(directory, max_shard_size="64KB")
     index_path = directory / "model.safetensors.index.json"
     index = json.loads(index_path.read_text())
@@ -68,6 +80,8 @@ def checkpoint(request, tmp_path_factory):
                 index["weight_map"][scale_key] = file.name
         save_file(tensors, str(file), metadata={"format": "pt"})
     index_path.write_text(json.dumps(index))
+    if not converted:
+        return
     config = json.loads((directory / "config.json").read_text())
     # dequantize: what transformers sets by itself without a GPU; with one it
     # would also make every nn.Linear an FP8Linear, whose FP8 weights this
@@ -76,7 +90,6 @@ def checkpoint(request, tmp_path_factory):
                                      "modules_to_convert": ["ple.ple_embedding.ngram_embedding"],
                                      "dequantize": True}
     (directory / "config.json").write_text(json.dumps(config))
-    return directory, scale
 
 
 def reference_model(directory, dtype):
@@ -170,6 +183,90 @@ def test_the_float32_product_changes_the_logits(checkpoint):
         assert not torch.equal(served(prompt()).logits, reference(prompt()).logits)
 
 
+# Casts of a whole model as a user calls them, in turn: narrowing, widening
+# and back; each rounds FP8Embedding's weight_scale again (transformers'
+# dequantized FP8 model is no quantized model to it: every cast is allowed).
+CASTS = (("to(float16)", lambda m: m.to(torch.float16)), ("float()", lambda m: m.float()),
+         ("bfloat16()", lambda m: m.bfloat16()), ("half()", lambda m: m.half()),
+         ("to(float32)", lambda m: m.to(dtype=torch.float32)),
+         ("to(bfloat16)", lambda m: m.to(torch.bfloat16)))
+
+
+def assert_logits_equal_after_each_cast(reference, served, ids):
+    for what, cast in CASTS:
+        cast(reference), cast(served)
+        dtype = reference.get_submodule(TABLES[0]).weight_scale.dtype
+        with torch.no_grad():
+            want = reference(ids).logits
+            assert want.dtype == dtype and want.isfinite().all(), what
+            assert_same_bits(served(ids).logits, want)
+        for name in TABLES:
+            assert served.get_submodule(name).weight_scale.dtype == dtype, what
+            assert torch.equal(served.get_submodule(name).weight_scale.float(),
+                               reference.get_submodule(name).weight_scale.float()), what
+
+
+def test_logits_equal_transformers_after_casts(checkpoint):
+    """Loaded in bfloat16, then cast, both models the same way:
+    transformers' scale is cast from the one it holds (a bfloat16 scale
+    cast to float16 is rounded twice), and ple's follows it.  (The rows
+    test below starts from every dtype.)"""
+    directory, _ = checkpoint
+    reference = reference_model(directory, torch.bfloat16)
+    served = from_pretrained(Qwen4ExpForCausalLM, directory, dtype=torch.bfloat16)
+    assert_logits_equal_after_each_cast(reference, served, prompt(7))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_rows_equal_fp8_embedding_after_casts(checkpoint, dtype):
+    """Each table's modules alone, through casts that include float64 (which
+    the whole model does not run in): every row, bit for bit."""
+    directory, _ = checkpoint
+    reference = reference_model(directory, dtype)
+    served = from_pretrained(Qwen4ExpForCausalLM, directory, dtype=dtype)
+    casts = (*CASTS[:3], ("double()", lambda m: m.double()), *CASTS[3:],
+             ("to(float64)", lambda m: m.to(torch.float64)), ("half()", lambda m: m.half()))
+    for name in TABLES:
+        want_module, got_module = reference.get_submodule(name), served.get_submodule(name)
+        ids = torch.arange(want_module.num_embeddings)
+        for what, cast in casts:
+            cast(want_module), cast(got_module)
+            with torch.no_grad():
+                want = want_module(ids)
+            assert want.dtype == got_module.dtype, what
+            assert_same_bits(got_module(ids), want)
+
+
+def test_a_cast_model_is_not_the_model_loaded_in_that_dtype(checkpoint):
+    """What the tests above tell apart: at a scale that is no bfloat16
+    value, a bfloat16 model cast to float16 or float32 (its scale rounded
+    through bfloat16) computes other logits than one loaded in that dtype."""
+    directory, scale = checkpoint
+    if scale != SCALES[0]:
+        pytest.skip("one scale that is no bfloat16 value shows it")
+    for dtype in (torch.float16, torch.float32):
+        cast = from_pretrained(Qwen4ExpForCausalLM, directory, dtype=torch.bfloat16).to(dtype)
+        loaded = from_pretrained(Qwen4ExpForCausalLM, directory, dtype=dtype)
+        with torch.no_grad():
+            assert not torch.equal(cast(prompt()).logits, loaded(prompt()).logits)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_cuda_logits_equal_transformers_after_casts(checkpoint, dtype):
+    """On the GPU: both models moved there, then cast in turn (the scale read
+    back from the device once per cast), each table's rows and the logits."""
+    directory, _ = checkpoint
+    reference = reference_model(directory, dtype).to("cuda")
+    served = from_pretrained(Qwen4ExpForCausalLM, directory, dtype=dtype).to("cuda")
+    assert all(served.get_submodule(name).weight_scale.is_cuda for name in TABLES)
+    assert_logits_equal_after_each_cast(reference, served, prompt(9).cuda())
+    for name in TABLES:
+        rows = torch.arange(reference.get_submodule(name).num_embeddings, device="cuda")
+        with torch.no_grad():
+            assert_same_bits(served.get_submodule(name)(rows), reference.get_submodule(name)(rows))
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_cuda_logits_equal_transformers(checkpoint, dtype):
@@ -188,3 +285,33 @@ def test_cuda_logits_equal_transformers(checkpoint, dtype):
         want = reference(ids).logits
         assert want.isfinite().all()
         assert_same_bits(served(ids).logits, want)
+
+
+def test_the_unscaled_warning_is_heard_once_per_table(tmp_path, caplog, monkeypatch):
+    """Where no quantization_config converts the n-gram modules,
+    transformers' class alone would load them unscaled and ple says so in
+    two lines, once per table in a process however many loads open it (a
+    benchmark's arms); another checkpoint's tables, in other files, get
+    their own warning."""
+    monkeypatch.setattr(integration, "_WARNED_UNSCALED", integration._TablesWarnedAbout())
+    first, other = tmp_path / "first", tmp_path / "other"
+    write_checkpoint(first, 1e-3, converted=False)
+    shutil.copytree(first, other)
+
+    def warnings_of(directory, loads: int = 1) -> list[str]:
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger=integration.__name__):
+            for _ in range(loads):
+                model = from_pretrained(Qwen4ExpForCausalLM, directory, dtype=torch.bfloat16)
+                assert sorted(tables(model)) == TABLES
+        return [r.getMessage() for r in caplog.records if r.name == integration.__name__]
+
+    said = warnings_of(first, loads=3)
+    assert said == [
+        f"ple: Qwen4ExpForCausalLM.from_pretrained alone would load {name} (fp8_e4m3fn) "
+        "unscaled; ple multiplies it by its scale 0.001\n(no quantization_config converts it: "
+        "text-only classes drop a multimodal checkpoint's), as the multimodal class and "
+        "AutoModelForCausalLM do" for name in TABLES]
+    assert warnings_of(first) == []
+    assert warnings_of(other) == said
+    assert warnings_of(other) == []

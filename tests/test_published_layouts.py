@@ -44,7 +44,7 @@ from transformers.utils import is_timm_available  # noqa: E402
 import ple  # noqa: E402
 from helpers import quiet_transformers  # noqa: E402, F401 (an autouse fixture)
 from helpers import REPO, assert_same_bits  # noqa: E402
-from ple.integrations.transformers import from_pretrained, tables  # noqa: E402
+from ple.integrations.transformers import _TablesWarnedAbout, from_pretrained, tables  # noqa: E402
 from ple.layers import DiskEmbedding, NGramEmbedding  # noqa: E402
 from ple.table import _open_tables  # noqa: E402
 from test_transformers_integration import (GEMMA_CONFIG, QWEN_CONFIG,  # noqa: E402
@@ -225,14 +225,17 @@ FP8_CASES = [
 
 @pytest.mark.parametrize("asked, right", FP8_CASES, ids=[c[0].__name__ for c in FP8_CASES])
 @pytest.mark.parametrize("dtype", [None, torch.bfloat16], ids=["fp32", "bfloat16"])
-def test_flash_next_fp8_is_scaled_as_the_right_class_does(qwen, asked, right, dtype, caplog):
+def test_flash_next_fp8_is_scaled_as_the_right_class_does(qwen, asked, right, dtype, caplog,
+                                                          monkeypatch):
     """The FP8 release: ple multiplies the rows by their weight_scale, as
     transformers' FP8Embedding does where the quantization_config reaches
     it (the multimodal class, AutoModelForCausalLM).  Qwen4ExpForCausalLM
     given the checkpoint directly drops the quantization_config and loads
     the values unscaled (transformers' bug): ple's outputs are the right
-    class's, and a warning says that they differ from that class's."""
+    class's, and a warning says that they differ from that class's (once
+    per table in a process: here, with none warned about before)."""
     pytest.importorskip("accelerate", reason="transformers loads FP8 checkpoints with accelerate")
+    monkeypatch.setattr(f"{INTEGRATION}._WARNED_UNSCALED", _TablesWarnedAbout())
     kwargs = {} if dtype is None else {"dtype": dtype}
     with caplog.at_level(logging.WARNING, logger=INTEGRATION):
         served = from_pretrained(asked, qwen["fp8"], **kwargs)
@@ -258,12 +261,10 @@ def test_flash_next_fp8_is_scaled_as_the_right_class_does(qwen, asked, right, dt
     assert not torch.equal(output(Qwen4ExpForCausalLM.from_pretrained(qwen["fp8"], **kwargs), ids),
                            output(reference, ids))
     assert warnings == [
-        f"ple: model.{NGRAM.format(i)} <- model.language_model.{NGRAM.format(i)}: ple multiplies "
-        f"its fp8_e4m3fn values by their scale {FP8_SCALE}, but Qwen4ExpForCausalLM's config has "
-        "no quantization_config that converts the module, so Qwen4ExpForCausalLM.from_pretrained "
-        "alone would load them unscaled (transformers' text-only classes drop a multimodal "
-        "checkpoint's quantization_config): ple's outputs are those of the multimodal class and "
-        "of AutoModelForCausalLM, not those of Qwen4ExpForCausalLM.from_pretrained"
+        f"ple: Qwen4ExpForCausalLM.from_pretrained alone would load "
+        f"model.language_model.{NGRAM.format(i)} (fp8_e4m3fn) unscaled; ple multiplies it by its "
+        f"scale {FP8_SCALE:g}\n(no quantization_config converts it: text-only classes drop a "
+        "multimodal checkpoint's), as the multimodal class and AutoModelForCausalLM do"
         for i in (0, 1)]
 
 

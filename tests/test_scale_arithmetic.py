@@ -9,6 +9,11 @@ values and the scale cast to the dtype, and NumPy's, which decodes the FP8
 bits by docs/design.md's formula, multiplies in float64 (exact for these
 factors) and rounds once to the dtype.
 
+With ``round_scale`` a ``DiskEmbedding`` holds its scale as a model holds
+its ``weight_scale``, cast with the module: after ``.half()`` of a bfloat16
+module the product is by the bfloat16 scale rounded again to float16, as a
+model cast the same way computes.
+
 Covered: the identity the decoders rest on (torch's float16/bfloat16 product
 is the exact product rounded once, ``ple.formats.applied_scale``), the CPU
 operator, the layers' choices, opcheck and torch.compile, the Triton decoder
@@ -263,21 +268,103 @@ def test_disk_embedding_chooses_its_arithmetic(tables):
     ids = torch.arange(ROWS)
     for round_scale in (False, True):
         chosen = {"round_scale": True} if round_scale else {}  # else the default
-        module = DiskEmbedding(table, torch.float32, **chosen)
-        assert module.round_scale is round_scale
-        assert ("round_scale=True" in repr(module)) is round_scale
         for dtype in OUTPUT_DTYPES:
-            module.to(dtype)
+            module = DiskEmbedding(table, dtype, **chosen)
+            assert module.round_scale is round_scale
+            assert ("round_scale=True" in repr(module)) is round_scale
             assert_same_bits_but_nan(module(ids), torch_reference("fp8_e4m3fn", raw, 1e-3, dtype,
                                                                   round_scale))
-    # float64: the float32 product widened; the reference models' product is
-    # exact there, which a float32 gather cannot give.
+    # float64: the float32 product widened.
     module = DiskEmbedding(table, torch.float64)
     assert_same_bits_but_nan(module(ids), torch_reference("fp8_e4m3fn", raw, 1e-3, torch.float32,
                                                           False).double())
-    module.round_scale = True
-    with pytest.raises(TypeError, match="round_scale=True.*float64"):
-        module(ids)
+    with pytest.raises(AttributeError):  # it decides what the module holds
+        module.round_scale = True
+
+
+class ReferenceScaledEmbedding(torch.nn.Module):
+    """A model's scaled embedding as transformers' FP8Embedding is: the
+    stored values and a float32 [1] ``weight_scale`` as parameters, the
+    scale cast to the model's dtype as its loader casts it, the rows
+    ``embedding(ids, weight).to(weight_scale.dtype) * weight_scale``.
+    ``.to()`` casts both parameters (an fp8 weight exactly, an integer one
+    not at all)."""
+
+    def __init__(self, values: torch.Tensor, scale: float, dtype: torch.dtype):
+        super().__init__()
+        self.weight = torch.nn.Parameter(values, requires_grad=False)
+        self.weight_scale = torch.nn.Parameter(
+            torch.tensor([scale], dtype=torch.float32).to(dtype), requires_grad=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        rows = torch.nn.functional.embedding(ids, self.weight)
+        return rows.to(self.weight_scale.dtype) * self.weight_scale
+
+
+# Casts as a user calls them, applied in turn to a module and to its
+# reference: narrowing, widening and casting back, each scale rounding again.
+CASTS = (("to(float16)", lambda m: m.to(torch.float16)), ("float()", lambda m: m.float()),
+         ("bfloat16()", lambda m: m.bfloat16()), ("half()", lambda m: m.half()),
+         ("double()", lambda m: m.double()), ("to(bfloat16)", lambda m: m.to(torch.bfloat16)),
+         ("to(float32)", lambda m: m.to(dtype=torch.float32)), ("half()", lambda m: m.half()),
+         ("to(float64)", lambda m: m.to(torch.float64)), ("float()", lambda m: m.float()))
+
+
+@pytest.mark.parametrize("name", SCALED)
+def test_round_scale_follows_the_casts_of_the_module(tables, name):
+    """After any sequence of casts, DiskEmbedding(round_scale=True) gives the
+    rows of a model's scaled embedding cast the same way (its weight_scale
+    rounded at each cast), and of NumPy's exact product of the scale rounded
+    through the same dtypes, rounded once; float64 rows are exact."""
+    raw, opened = tables
+    ids = torch.arange(ROWS)
+    for scale in SCALES:
+        for start in (torch.bfloat16, torch.float16, torch.float32):
+            module = DiskEmbedding(opened[name, scale], start, round_scale=True)
+            values = torch.from_numpy(raw).view(FORMATS[name].storage)
+            reference = ReferenceScaledEmbedding(values, scale, start)
+            rounded = round_to(np.float64(np.float32(scale)), start)
+            for what, cast in CASTS:
+                cast(module), cast(reference)
+                dtype = reference.weight_scale.dtype
+                rounded = rounded if dtype == torch.float64 else round_to(rounded, dtype)
+                assert module.dtype == dtype, what
+                got = module(ids)
+                assert_same_bits_but_nan(got, reference(ids))
+                exact = stored_values(name, raw) * rounded
+                want = exact if dtype == torch.float64 else round_to(exact, dtype)
+                assert_same_bits_but_nan(got, as_torch(want, dtype))
+                assert module.weight_scale.dtype == dtype, what
+                assert float(module.weight_scale) == rounded, what
+
+
+@pytest.mark.slow
+def test_a_compiled_module_follows_its_casts(tables):
+    """torch.compile of a DiskEmbedding(round_scale=True) recompiles after a
+    cast, with the scale the cast gave it."""
+    raw, opened = tables
+    values = torch.from_numpy(raw).view(torch.float8_e4m3fn)
+    module = DiskEmbedding(opened["fp8_e4m3fn", 1e-3], torch.bfloat16, round_scale=True)
+    reference = ReferenceScaledEmbedding(values, 1e-3, torch.bfloat16)
+    torch._dynamo.reset()
+    compiled = torch.compile(module, fullgraph=True)
+    ids = torch.arange(ROWS)
+    for what, cast in (("as made", lambda m: m), *CASTS[:4]):  # float16, float32, bfloat16, float16
+        cast(module), cast(reference)
+        assert_same_bits_but_nan(compiled(ids), reference(ids))
+    torch._dynamo.reset()
+
+
+def test_the_casts_tell_the_scale_chain_apart(tables):
+    """The chain above matters: at the issue's scale a bfloat16 module cast
+    to float16 or float32 gives other rows than one made in that dtype (the
+    scale rounded once)."""
+    _, opened = tables
+    table, ids = opened["fp8_e4m3fn", 1e-3], torch.arange(ROWS)
+    for dtype in (torch.float16, torch.float32):
+        cast = DiskEmbedding(table, torch.bfloat16, round_scale=True).to(dtype)
+        made = DiskEmbedding(table, dtype, round_scale=True)
+        assert not torch.equal(cast(ids).nan_to_num(), made(ids).nan_to_num())
 
 
 def test_ngram_embedding_defaults_to_the_reference_models_arithmetic(tmp_path):
@@ -339,6 +426,26 @@ def test_cuda_operator_equals_the_cpu_operator_and_torch_on_the_gpu(tables, name
                                                            round_scale), dtype))
     assert_same_bits_but_nan(got, torch_reference(name, raw[ids.numpy()], scale, dtype, round_scale,
                                                   device="cuda"))
+
+
+@needs_cuda
+@pytest.mark.parametrize("name", SCALED)
+def test_cuda_round_scale_follows_the_casts_of_the_module(tables, name):
+    """A DiskEmbedding(round_scale=True) moved to the GPU and cast there, as
+    a model's scaled embedding is: the Triton decoder's rows are torch's
+    CUDA product by the scale each cast left."""
+    raw, opened = tables
+    ids = torch.arange(ROWS, device="cuda")
+    values = torch.from_numpy(raw).view(FORMATS[name].storage)
+    for scale in SCALES:
+        module = DiskEmbedding(opened[name, scale], torch.bfloat16, round_scale=True).to("cuda")
+        reference = ReferenceScaledEmbedding(values, scale, torch.bfloat16).to("cuda")
+        assert module.weight_scale.is_cuda
+        for what, cast in CASTS:
+            cast(module), cast(reference)
+            got = module(ids)
+            assert got.is_cuda and got.dtype == reference.weight_scale.dtype, what
+            assert_same_bits_but_nan(got, reference(ids))
 
 
 @needs_cuda

@@ -56,7 +56,10 @@ converts the module, and with its arithmetic: in the model's dtype, by the
 scale cast to that dtype (its loader casts the F32 ``weight_scale``), so
 ``values.to(dtype) * scale.to(dtype)`` (``round_scale=True``, the default of
 :func:`from_pretrained` and :func:`offload`; ``round_scale=False`` gives the
-float32 product cast to the dtype instead).  Where it does not convert it
+float32 product cast to the dtype instead).  The module keeps that scale in
+a ``weight_scale`` buffer that the model's casts (``.to(dtype)``,
+``.half()``, ``.float()``, ...) cast as they cast ``FP8Embedding``'s, so
+the arithmetic stays transformers' after any cast.  Where it does not convert it
 (``Qwen4ExpForCausalLM`` given a multimodal FP8 checkpoint directly:
 transformers drops that checkpoint's ``quantization_config`` and loads the
 values unscaled, a transformers bug; or a checkpoint with a scale and no
@@ -84,20 +87,28 @@ so a table is whole on every rank without ``process_group``, split by rows
 with it.
 
 ``save_pretrained`` of such a model writes it without the offloaded tables
-(they are not parameters): keep the original checkpoint.  Into a directory
-that holds any of its tables' files it raises ``ValueError`` before writing
-anything, naming the tables: transformers' save_pretrained overwrites
-``model.safetensors`` and deletes the shards of an earlier save that it
-does not write again, which would take the tables' files.
+(they are not parameters): keep the original checkpoint.  transformers'
+save_pretrained overwrites ``model.safetensors`` and deletes the shards of
+an earlier save that it does not write again, which would take the tables'
+files; so once ple serves a model, transformers' saving (of any model, by
+any route: ``model.save_pretrained``, the class's function,
+``PreTrainedModel.save_pretrained(model, ...)``, a ``Trainer``) raises
+``ValueError``, naming the tables, before writing anything into a directory
+that holds a file a ple table of the process is served from, and never
+deletes nor overwrites such a file.  Files are told by their identity
+(device, inode), so a symlink, a relative path or another working
+directory names the same file.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
 import re
-import weakref
+import threading
+import types
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -110,7 +121,7 @@ from ple.layers.lookahead import DEFAULT_MAX_BYTES as DEFAULT_LOOKAHEAD_BYTES
 from ple.layers.lookahead import MOST_BYTES as MOST_LOOKAHEAD_BYTES
 from ple.safetensors_header import TensorEntry
 from ple.safetensors_tables import closest_names, describe_files
-from ple.table import SHARD_NAME, Table, read_checkpoint_entries
+from ple.table import SHARD_NAME, Table, read_checkpoint_entries, tables_held
 
 from . import prefill_lookahead
 
@@ -160,10 +171,11 @@ class ScaledDiskEmbedding(DiskEmbedding):
 
     @torch.no_grad()
     def reset_scale(self) -> None:
-        """Sets ``embed_scale`` to ``scalar_embed_scale`` as transformers'
+        """Also sets ``embed_scale`` to ``scalar_embed_scale`` as transformers'
         ``_init_weights`` does (``init.constant_``): transformers' loader
         replaces every non-persistent buffer with an empty one and initializes
         only the modules of its own classes."""
+        super().reset_scale()
         if isinstance(self.embed_scale, torch.Tensor) and self.scalar_embed_scale is not None:
             self.embed_scale.fill_(self.scalar_embed_scale)
 
@@ -184,73 +196,72 @@ def close_tables(model: nn.Module) -> None:
             module.close()
 
 
-class _ModelMethod:
-    """A method of one model with ple tables that does more than its class's
-    (an attribute of the model: from_pretrained gives it back as its own
-    transformers class).  It holds its model by a weak reference, so the
-    model is freed, and its tables closed, as soon as it is dropped; a
-    pickled or deep-copied model gets one bound to the copy."""
+class _Served:
+    """What ple keeps on a model it serves (``model._ple_served``): the
+    lookahead bound of its ``generate``.  A copy of the model (deepcopy,
+    pickle, torch.load, a spawned worker) carries it, and its unpickling
+    guards transformers' saving (:func:`_guard_saving`) and gives the
+    model's class ple's ``generate`` (:func:`_give_generate`) in that
+    process too."""
 
-    name: str  # the method's name
-
-    def __init__(self, model: nn.Module, *settings):
-        self._model = weakref.ref(model)
-        self._settings = settings
-        self.__doc__ = getattr(type(model), self.name).__doc__
+    def __init__(self, model_class: type, lookahead_bytes: int):
+        self.model_class = model_class
+        self.lookahead_bytes = lookahead_bytes
 
     def __reduce__(self):
-        return type(self), (self._model(), *self._settings)
-
-    def __deepcopy__(self, memo):
-        model = self._model()
-        return type(self)(memo.get(id(model), model), *self._settings)
-
-    @classmethod
-    def install(cls, model: nn.Module, *settings) -> None:
-        if callable(getattr(type(model), cls.name, None)):
-            setattr(model, cls.name, cls(model, *settings))
+        return _served, (self.model_class, self.lookahead_bytes)
 
 
-class _SavePretrained(_ModelMethod):
-    """``model.save_pretrained``: refuses a directory holding any of the
-    tables' files, then saves as the class does."""
-
-    name = "save_pretrained"
-
-    def __call__(self, save_directory: str | os.PathLike, *args, **kwargs):
-        model = self._model()
-        _refuse_saving_over_tables(model, save_directory)
-        return type(model).save_pretrained(model, save_directory, *args, **kwargs)
+def _served(model_class: type, lookahead_bytes: int) -> _Served:
+    """The :class:`_Served` of a model of ``model_class``, with ple's save
+    guard and ``generate`` in place."""
+    with _install_lock:
+        _guard_saving()
+        _give_generate(model_class)
+    return _Served(model_class, lookahead_bytes)
 
 
-class _GenerateWithLookahead(_ModelMethod):
-    """``model.generate``: with a prefill chunk size (``prefill_chunk_size=``
-    or the generation config's), the offloaded modules read each coming
-    chunk's rows while the one before computes, at most ``lookahead_bytes``
-    ahead each (``ple.integrations.prefill_lookahead``); then generates as
-    the class does.  Nothing read ahead outlives the call."""
+_install_lock = threading.Lock()
 
-    name = "generate"
 
-    def __call__(self, inputs: torch.Tensor | None = None, *args, **kwargs):
-        model = self._model()
-        (lookahead_bytes,) = self._settings
+def _serve(model: nn.Module, lookahead_mib: int) -> None:
+    """Marks ``model`` (whose tables ple serves) as ple's: its generate
+    looks ahead ``lookahead_mib`` MiB, and transformers' saving is guarded."""
+    model._ple_served = _served(type(model), _lookahead_bytes(lookahead_mib))
+
+
+def _give_generate(model_class: type) -> None:
+    """Makes ``model_class.generate`` a function that, for a model ple
+    serves with a lookahead bound and a prefill chunk size
+    (``prefill_chunk_size=`` or the generation config's), has the offloaded
+    modules read each coming chunk's rows while the one before computes,
+    at most that bound ahead each (``ple.integrations.prefill_lookahead``),
+    and generates as the class's own ``generate`` does; for any other model
+    it is that ``generate``.  A function of the class, not an attribute of
+    the model, so that whatever a user keeps of it (``model.generate``, a
+    ``functools.partial`` of it, the class's function) holds the model as
+    transformers' own method does, and the model holds nothing that refers
+    back to it.  Nothing read ahead outlives the call."""
+    generate = getattr(model_class, "generate", None)
+    if not callable(generate) or getattr(generate, "__ple_generate__", False):
+        return
+
+    @functools.wraps(generate)
+    def generate_with_lookahead(self, inputs: torch.Tensor | None = None, *args, **kwargs):
+        served = self.__dict__.get("_ple_served")
+        lookahead_bytes = served.lookahead_bytes if isinstance(served, _Served) else 0
         prompt = inputs if inputs is not None else kwargs.get("input_ids")
-        chunk_size = prefill_lookahead.prefill_chunk_size(model, kwargs)
+        chunk_size = prefill_lookahead.prefill_chunk_size(self, kwargs)
         planned = []
         if lookahead_bytes and chunk_size and isinstance(prompt, torch.Tensor):
-            planned = prefill_lookahead.start(model, prompt, chunk_size, lookahead_bytes)
+            planned = prefill_lookahead.start(self, prompt, chunk_size, lookahead_bytes)
         try:
-            return type(model).generate(model, inputs, *args, **kwargs)
+            return generate(self, inputs, *args, **kwargs)
         finally:
             prefill_lookahead.end(planned)
 
-
-def _install_methods(model: nn.Module, lookahead_mib: int) -> None:
-    """Gives a transformers model with ple tables its guarded save_pretrained
-    and its generate with lookahead."""
-    _SavePretrained.install(model)
-    _GenerateWithLookahead.install(model, _lookahead_bytes(lookahead_mib))
+    generate_with_lookahead.__ple_generate__ = True
+    model_class.generate = generate_with_lookahead
 
 
 def _lookahead_bytes(lookahead_mib: int) -> int:
@@ -261,37 +272,123 @@ def _lookahead_bytes(lookahead_mib: int) -> int:
     return lookahead_mib << 20
 
 
-def _refuse_saving_over_tables(model: nn.Module, save_directory: str | os.PathLike) -> None:
-    """Raises ValueError when ``save_directory`` is the directory of any of
-    ``model``'s tables' files (by os.path.samefile: a symlink or another
-    spelling of it too; a file's own directory and, behind a symlink such as
-    huggingface_hub's cache has, its target's)."""
-    if not os.path.isdir(save_directory):
-        return
-    served = []
-    for name, table in tables(model).items():
-        homes = {Path(p).parent for p in table.paths} | {Path(os.path.realpath(p)).parent
-                                                          for p in table.paths}
-        if any(_same_directory(save_directory, home) for home in homes):
-            served.append(name)
-    if not served:
-        return
-    served.sort()
-    shown = ", ".join(served[:3]) + (f" and {len(served) - 3} more" if len(served) > 3 else "")
-    raise ValueError(
-        f"save_pretrained: {save_directory} holds the files of {len(served)} of this model's ple "
-        f"table{'' if len(served) == 1 else 's'} ({shown}), which ple serves from there; "
-        "transformers' save_pretrained would overwrite or delete them (it writes "
-        "model.safetensors, and deletes the shards of an earlier save that it does not write "
-        "again). Save into another directory: the model is saved without its offloaded tables, "
-        "so keep this checkpoint too")
+# ---- transformers' saving ----------------------------------------------------
+#
+# transformers' save_pretrained (every route to it: model.save_pretrained, the
+# class's function, PreTrainedModel.save_pretrained unbound, a Trainer) creates
+# its directory with os.makedirs before it writes anything, deletes the shards
+# of an earlier save with os.remove and writes shards with safe_save_file, all
+# three names of transformers.modeling_utils.  ple gives that module an ``os``
+# and a ``safe_save_file`` that refuse, by the files' identity (device, inode),
+# any file a ple table of this process is served from: a directory that holds
+# one, and such a file itself (a symlink to it too).  For every other path
+# they are os's and safetensors' own.
 
-
-def _same_directory(a: str | os.PathLike, b: str | os.PathLike) -> bool:
+def _guard_saving() -> None:
+    """Puts ple's guard into transformers' saving, once a process (nothing
+    without transformers)."""
     try:
-        return os.path.samefile(a, b)
-    except OSError:  # b is gone: compare the names
-        return os.path.realpath(a) == os.path.realpath(b)
+        from transformers import modeling_utils
+    except ImportError:
+        return
+    if not isinstance(modeling_utils.os, _SavingOs):
+        modeling_utils.os = _SavingOs()
+    if not getattr(modeling_utils.safe_save_file, "__ple_guard__", False):
+        modeling_utils.safe_save_file = _guarded_save_file(modeling_utils.safe_save_file)
+
+
+class _SavingOs(types.ModuleType):
+    """``os`` for transformers' modeling_utils: ``makedirs`` refuses a
+    directory that holds a file a ple table is served from, ``remove``
+    refuses such a file; every other name is os's own."""
+
+    def __init__(self):
+        super().__init__(os.__name__, os.__doc__)
+
+    def __getattr__(self, name: str):
+        return getattr(os, name)
+
+    @staticmethod
+    def makedirs(name, *args, **kwargs):
+        _refuse_directory_of_tables(name)
+        return os.makedirs(name, *args, **kwargs)
+
+    @staticmethod
+    def remove(path, *args, **kwargs):
+        _refuse_file_of_tables(path, "delete")
+        return os.remove(path, *args, **kwargs)
+
+
+def _guarded_save_file(save_file):
+    """``save_file`` (safetensors'), refusing to overwrite a file a ple table
+    is served from."""
+
+    @functools.wraps(save_file)
+    def guarded(tensors, filename, *args, **kwargs):
+        _refuse_file_of_tables(filename, "overwrite")
+        return save_file(tensors, filename, *args, **kwargs)
+
+    guarded.__ple_guard__ = True
+    return guarded
+
+
+def _served_files() -> dict[tuple[int, int], set[str]]:
+    """``(device, inode)`` of every file that a table of this process not
+    yet dropped (open, or closed and still held by a model) is served from,
+    to the names of those tables."""
+    served: dict[tuple[int, int], set[str]] = {}
+    for table in tables_held():
+        for file_id in table.file_ids:
+            served.setdefault(file_id, set()).add(table.name)
+    return served
+
+
+def _file_id(path) -> tuple[int, int] | None:
+    """``(device, inode)`` of the file ``path`` names (a symlink's target),
+    None where there is none."""
+    try:
+        st = os.stat(path)
+    except (OSError, ValueError):
+        return None
+    return st.st_dev, st.st_ino
+
+
+def _refuse_directory_of_tables(directory) -> None:
+    """A ValueError when ``directory`` holds (by any name, a symlink
+    included) a file a ple table is served from."""
+    served = _served_files()
+    if not served or not os.path.isdir(directory):
+        return
+    names: set[str] = set()
+    with os.scandir(directory) as entries:
+        for entry in entries:
+            names |= served.get(_file_id(entry.path), set())
+    if names:
+        raise ValueError(
+            f"save_pretrained: {directory} holds the files of {_tables_named(names)}, which ple "
+            "serves from there; transformers' save_pretrained would overwrite or delete them (it "
+            "writes model.safetensors, and deletes the shards of an earlier save that it does not "
+            f"write again). {SAVE_ELSEWHERE}")
+
+
+def _refuse_file_of_tables(path, doing: str) -> None:
+    """A ValueError when ``path`` is (or links to) a file a ple table is
+    served from, which transformers was about to ``doing``."""
+    names = _served_files().get(_file_id(path))
+    if names:
+        raise ValueError(f"save_pretrained: {path} is a file of {_tables_named(names)}, which "
+                         f"ple serves from it; transformers was about to {doing} it. "
+                         f"{SAVE_ELSEWHERE}")
+
+
+SAVE_ELSEWHERE = ("Save into another directory: a model that ple serves is saved without its "
+                  "offloaded tables, so keep this checkpoint too")
+
+
+def _tables_named(names: set[str]) -> str:
+    shown = sorted(names)
+    listed = ", ".join(shown[:3]) + (f" and {len(shown) - 3} more" if len(shown) > 3 else "")
+    return f"{len(shown)} ple table{'' if len(shown) == 1 else 's'} ({listed})"
 
 
 def from_pretrained(model_class, path: str | os.PathLike, *, offload: str | Iterable[str] = "auto",
@@ -370,12 +467,11 @@ def from_pretrained(model_class, path: str | os.PathLike, *, offload: str | Iter
     model = loaded[0] if isinstance(loaded, tuple) else loaded
     if type(model) is loading_class:
         model.__class__ = model_class
-    for module in opened:
-        if isinstance(module, ScaledDiskEmbedding):
-            module.reset_scale()
+    for module in opened:  # their non-persistent buffers were replaced by empty ones
+        module.reset_scale()
     model.ple_offloaded = found
     if found:
-        _install_methods(model, lookahead_mib)
+        _serve(model, lookahead_mib)
     _report(found, model, directory, offload)
     return loaded
 
@@ -410,7 +506,7 @@ def offload(model: nn.Module, path: str | os.PathLike | Iterable[str | os.PathLi
     offloaded.update({name: tensor for name, (_, tensor) in swapped.items()})
     model.ple_offloaded = offloaded
     if offloaded:
-        _install_methods(model, lookahead_mib)
+        _serve(model, lookahead_mib)
     _report({name: tensor for name, (_, tensor) in swapped.items()}, model, files[0].parent, names)
     return {name: module.table for name, (module, _) in swapped.items()}
 
@@ -605,12 +701,33 @@ def _swap(model: nn.Module, where: "_Keys", names, gather_config: GatherConfig |
     return done
 
 
+class _TablesWarnedAbout:
+    """The tables (by their files' identities and tensor name) a warning has
+    been given for in this process, so that it is given once per table
+    however many loads open it (a benchmark's arms, a server's reloads)."""
+
+    def __init__(self):
+        self._keys: set[tuple] = set()
+        self._lock = threading.Lock()
+
+    def first_time(self, table: Table) -> bool:
+        """True the first time it is asked about ``table``'s tensor in its files."""
+        key = (tuple(table.file_ids), table.name)
+        with self._lock:
+            first = key not in self._keys
+            self._keys.add(key)
+        return first
+
+
+_WARNED_UNSCALED = _TablesWarnedAbout()
+
+
 def _warn_if_transformers_would_not_scale(model: nn.Module, name: str, table: Table) -> None:
     """ple multiplies a table's fp8/u8/i8 values by its scale; transformers
     does so only where the config's ``quantization_config`` converts the
     module (``modules_to_convert``, matched as name endings, as
     ``replace_with_fp8_embedding`` does), else it loads the stored values
-    as they are."""
+    as they are.  Said once per table in a process, in two lines."""
     if not table.row_format.scaled or table.scale == 1.0:
         return
     quantization = getattr(model.config, "quantization_config", None)
@@ -618,13 +735,13 @@ def _warn_if_transformers_would_not_scale(model: nn.Module, name: str, table: Ta
                  else getattr(quantization, "modules_to_convert", None)) or ()
     if any(name.endswith(pattern) for pattern in converted):
         return
+    if not _WARNED_UNSCALED.first_time(table):
+        return
     logger.warning(
-        "ple: %s <- %s: ple multiplies its %s values by their scale %s, but %s's config has no "
-        "quantization_config that converts the module, so %s.from_pretrained alone would load "
-        "them unscaled (transformers' text-only classes drop a multimodal checkpoint's "
-        "quantization_config): ple's outputs are those of the multimodal class and of "
-        "AutoModelForCausalLM, not those of %s.from_pretrained", name, table.name, table.format,
-        table.scale, type(model).__name__, type(model).__name__, type(model).__name__)
+        "ple: %s.from_pretrained alone would load %s (%s) unscaled; ple multiplies it by its "
+        "scale %g\n(no quantization_config converts it: text-only classes drop a multimodal "
+        "checkpoint's), as the multimodal class and AutoModelForCausalLM do",
+        type(model).__name__, table.name, table.format, table.scale)
 
 
 def _leave_out_of_tp_plans(model: nn.Module, names: Iterable[str]) -> None:
