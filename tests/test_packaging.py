@@ -4,11 +4,17 @@ the console scripts (marked slow: about 20 s); with PLE_TEST_WHEEL=1 the whole b
 wheel compiled from it) runs too.  That compiles the native part, a minute or
 more on 2 cores (4 to 5 minutes on a busy machine), so it is not in the
 default run.  Both build a copy of the checkout, not the checkout itself
-(setuptools writes ple.egg-info and build/ where it builds)."""
+(setuptools writes ple.egg-info and build/ where it builds).
+
+An old setuptools stops the build with a line that names the fix; with
+PLE_TEST_INSTALL_TORCH=<a torch requirement> (make test-torch-range gives the
+oldest supported), the README's install lines run in a fresh venv of this
+Python with that torch, and ple gathers there."""
 
 from __future__ import annotations
 
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -95,3 +101,83 @@ def test_build_sdist_and_wheel(tmp_path):
                for n in names), sorted(n for n in names if n.startswith("ple/kernels/"))
     for name, target in SCRIPTS.items():
         assert f"{name} = {target}" in entry_points
+
+
+SETUPTOOLS_MESSAGE = ("ple builds with setuptools 77 or newer, and this environment has {version}: "
+                      "run `pip install 'setuptools>=77'`, then install ple again")
+
+
+def test_an_old_setuptools_stops_the_build_naming_the_fix(tmp_path):
+    """setup.py checks before setup() reads pyproject.toml, whose license
+    field setuptools before 77 refuses with a schema error."""
+    (tmp_path / "setuptools").mkdir()
+    (tmp_path / "setuptools" / "__init__.py").write_text(
+        "__version__ = '65.5.0'\n\ndef setup(**options):\n    raise AssertionError('setup() ran')\n")
+    run = subprocess.run([sys.executable, "setup.py", "--version"], cwd=REPO, capture_output=True,
+                         text=True, timeout=60, env={**os.environ, "PYTHONPATH": str(tmp_path)})
+    assert run.returncode == 1
+    assert run.stderr == SETUPTOOLS_MESSAGE.format(version="65.5.0") + "\n"
+
+
+def readme_install_lines() -> list[list[str]]:
+    """The README's lines that install torch, then ple (the others add its
+    extras), as arguments."""
+    section = (REPO / "README.md").read_text().split("\n## Install\n", 1)[1].split("\n## ", 1)[0]
+    block = section.split("```\n")[1]
+    lines = [shlex.split(line.split(" #")[0]) for line in block.splitlines()]
+    return [words for words in lines if not any("[" in word for word in words)]
+
+
+GATHER = """
+import torch, ple
+from safetensors.torch import save_file
+rows = torch.randn(1000, 16)
+save_file({"emb.weight": rows}, "table.safetensors")
+ids = torch.tensor([[3, 999], [0, 3]])
+with ple.Table.from_safetensors("table.safetensors", "emb") as table:
+    assert torch.equal(ple.gather(table, ids), rows[ids])
+print(torch.__version__, ple.__file__)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.environ.get("PLE_TEST_INSTALL_TORCH"),
+                    reason="installs torch into a fresh venv and compiles ple (minutes); make "
+                    "test-torch-range runs it with PLE_TEST_INSTALL_TORCH=<the oldest torch>")
+def test_the_readmes_install_lines_in_a_fresh_venv(tmp_path):
+    """As a user on a fresh machine: a venv of this Python (3.11's brings
+    setuptools 65), the torch alone (as a user who knows only torch is
+    needed), ple's build refusing that setuptools with its message, then
+    the README's lines as written, the torch given."""
+    torch_requirement = os.environ["PLE_TEST_INSTALL_TORCH"]
+    lines = readme_install_lines()
+    assert [words[:3] for words in lines] == [["pip", "install", "torch"],
+                                              ["pip", "install", "--no-build-isolation"]], lines
+    copy = checkout_copy(tmp_path)
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=300)
+    python = str(venv / "bin" / "python")
+
+    def pip(*arguments: str, timeout: int) -> subprocess.CompletedProcess:
+        return subprocess.run([python, "-m", "pip", *arguments], cwd=copy, capture_output=True,
+                              text=True, timeout=timeout)
+
+    installed = pip("install", torch_requirement, timeout=1800)
+    assert installed.returncode == 0, installed.stdout[-3000:] + installed.stderr[-3000:]
+    version = subprocess.run([python, "-c", "import setuptools; print(setuptools.__version__)"],
+                             capture_output=True, text=True, timeout=60)
+    if version.returncode == 0 and int(version.stdout.split(".")[0]) < 77:
+        refused = pip("install", "--no-build-isolation", ".", timeout=600)
+        assert refused.returncode != 0
+        assert SETUPTOOLS_MESSAGE.format(version=version.stdout.strip()) in refused.stderr, (
+            refused.stdout[-3000:] + refused.stderr[-3000:])
+    for words in lines:
+        arguments = [torch_requirement if word == "torch" else word for word in words[2:]]
+        done = pip("install", *arguments, timeout=1800)
+        assert done.returncode == 0, (words, done.stdout[-3000:] + done.stderr[-3000:])
+    gathered = subprocess.run([python, "-c", GATHER], cwd=tmp_path, capture_output=True,
+                              text=True, timeout=600)
+    assert gathered.returncode == 0, gathered.stderr[-3000:]
+    torch_version, ple_file = gathered.stdout.split()
+    assert f"torch=={torch_version.split('+')[0]}" == torch_requirement.split("+")[0]
+    assert Path(ple_file).is_relative_to(venv)
