@@ -60,6 +60,16 @@ def check_regular_file(path: str | os.PathLike) -> None:
         raise _refuse(path, mode)
 
 
+def resolved_regular_file(path: str | os.PathLike) -> Path:
+    """The absolute real path (every symlink resolved) of the regular file
+    ``path``, checked as by :func:`check_regular_file` under the name given.
+    A table opens its files by these paths, once: its copies, pickles and
+    spawned workers open the same files whatever the working directory or
+    the links are by then."""
+    check_regular_file(path)
+    return Path(path).resolve(strict=True)
+
+
 def open_regular(path: str | os.PathLike) -> int:
     """A file descriptor open for reading on the regular file ``path``.
 

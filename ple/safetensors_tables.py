@@ -17,7 +17,7 @@ from typing import Union
 
 import torch
 
-from .files import nonempty_path, open_regular_binary
+from .files import nonempty_path, open_regular_binary, resolved_regular_file
 from .formats import BY_SAFETENSORS_DTYPE, RowFormat, check_row_bytes
 from .safetensors_header import TensorEntry, read_header
 
@@ -53,8 +53,9 @@ class SelectedTable:
 
 
 def resolve_paths(paths: PathsLike) -> list[Path]:
-    """The files of ``paths``: each file as given, each directory's
-    ``*.safetensors`` sorted by name."""
+    """The files of ``paths``: each file given, each directory's
+    ``*.safetensors`` sorted by name; as absolute real paths
+    (:func:`ple.files.resolved_regular_file`)."""
     items = [paths] if isinstance(paths, (str, os.PathLike)) else list(paths)
     files: list[Path] = []
     for item in items:
@@ -63,9 +64,9 @@ def resolve_paths(paths: PathsLike) -> list[Path]:
             found = sorted(path.glob("*.safetensors"))
             if not found:
                 raise FileNotFoundError(errno.ENOENT, "no *.safetensors files in directory", str(path))
-            files.extend(found)
+            files.extend(map(resolved_regular_file, found))
         elif path.exists():
-            files.append(path)
+            files.append(resolved_regular_file(path))
         else:
             raise FileNotFoundError(errno.ENOENT, "no such table file", str(path))
     if not files:

@@ -5,6 +5,7 @@ Which table of a set of safetensors files is opened: safetensors_tables.py."""
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import itertools
 import os
@@ -20,6 +21,7 @@ import torch
 from .kernels.native import native
 
 from .config import GatherConfig
+from .files import resolved_regular_file
 from .counters import COUNTERS
 from .formats import BY_GGUF_TYPE, RowFormat, check_row_bytes
 from .gguf_header import GGUFHeader, read_gguf_header
@@ -33,6 +35,9 @@ from .tiers import Tiers
 
 # Open tables by handle, for the operators; a table that is dropped closes.
 _open_tables: "weakref.WeakValueDictionary[str, Table]" = weakref.WeakValueDictionary()
+# Every table not dropped yet, open or closed (a closed table that a model
+# still holds still names the files it was served from).
+_tables_held: "weakref.WeakSet[Table]" = weakref.WeakSet()
 _registry_lock = threading.Lock()
 # What tables closed in a forked child held of their parent's CUDA state (pinned
 # buffers, streams, tiers): the child can neither use nor free it, so it stays.
@@ -105,7 +110,14 @@ def _register(table: "Table", same_files: str) -> str:
             handle = f"{same_files}#{n}"
         _open_tables[handle] = table
         _closed_handles.pop(handle, None)
+        _tables_held.add(table)
     return handle
+
+
+def tables_held() -> list["Table"]:
+    """The tables of this process that are not dropped yet, open or closed."""
+    with _registry_lock:
+        return list(_tables_held)
 
 
 def _forget(handle: str, name: str) -> None:
@@ -160,7 +172,12 @@ class Table:
             the other formats).
         shard_rows: the rows of each shard, in row order (one entry for a
             single tensor).
-        paths: the files the shards are in, each once, in shard order.
+        paths: the files the shards are in, each once, in shard order, as
+            absolute real paths (symlinks resolved) made once, at open: a
+            copy, a pickle or a spawned worker opens these same files
+            whatever the working directory is by then.
+        file_ids: ``(device, inode)`` of each of ``paths`` when opened: the
+            files it is served from, whatever names they have.
         handle: the str the operators take (``torch.ops.ple.disk_gather(ids,
             table.handle)``): the table's name and a digest of its files'
             identity and its layout, so that compiled code, captured CUDA
@@ -203,6 +220,7 @@ class Table:
         file_index = {path: i for i, path in enumerate(self.paths)}
         self._opened_from = opened_from
         files = [os.stat(p) for p in self.paths]
+        self.file_ids = [(st.st_dev, st.st_ino) for st in files]
         self._layout = (name, fmt.name, scale, self.cols,
                         [(file_index[s.path], s.offset, s.shape[0]) for s in shards],
                         [st.st_size for st in files])
@@ -260,11 +278,12 @@ class Table:
                           config: GatherConfig | None) -> "Table":
         """from_gguf with the file's header read already (a layer that needs
         its key-values too reads it once)."""
+        path = resolved_regular_file(path)
         entries = header.tensors
         if tensor not in entries:
             candidates = sorted(n for n, e in entries.items() if len(e.shape) == 2)
             raise ValueError(f"{path}: no tensor named {tensor!r}; 2-D tensors: {candidates}")
-        entry = entries[tensor]
+        entry = dataclasses.replace(entries[tensor], path=path)
         if len(entry.shape) != 2:
             raise ValueError(f"{path}: tensor {tensor!r} is not 2-D (shape {list(entry.shape)})")
         fmt = BY_GGUF_TYPE.get(entry.dtype)
