@@ -44,7 +44,7 @@ from helpers import (COMPILE_CCS, OUT_SIGNATURE, assert_runs_on_old_gpus, assert
 import ple.kernels  # noqa: E402
 from ple.formats import BLOCK_FORMATS, FORMATS, OUTPUT_DTYPES  # noqa: E402
 
-KERNELS = Path(ple.kernels.__file__).parent
+KERNELS = Path(ple.kernels.__path__[0])
 FORMAT_NAMES = ("q8_0", "q4_0", "iq4_nl", "q4_k", "q6_k")
 BLOCKS_PER_ROW = (1, 2, 5)
 ROWS = 4

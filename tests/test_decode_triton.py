@@ -29,7 +29,7 @@ from ple.kernels.decode import decode_rows  # noqa: E402
 from helpers import (COMPILE_CCS, OUT_SIGNATURE, assert_runs_on_old_gpus, assert_same_bits_but_nan,  # noqa: E402
                      compile_for_targets, dtype_id, load_interpreted)
 
-KERNEL_FILE = Path(ple.kernels.__file__).parent / "decode_triton.py"
+KERNEL_FILE = Path(ple.kernels.__path__[0]) / "decode_triton.py"
 FORMAT_NAMES = ("f32", "f16", "bf16", "fp8_e4m3fn", "u8", "i8")
 COLS = (1, 17, 160, 1000)
 @pytest.fixture(scope="module")

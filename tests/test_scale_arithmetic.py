@@ -391,7 +391,7 @@ def test_ngram_embedding_defaults_to_the_reference_models_arithmetic(tmp_path):
 @pytest.fixture(scope="module")
 def interp():
     pytest.importorskip("triton")
-    return load_interpreted(Path(ple.kernels.__file__).parent / "decode_triton.py")
+    return load_interpreted(Path(ple.kernels.__path__[0]) / "decode_triton.py")
 
 
 @pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")

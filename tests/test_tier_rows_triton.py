@@ -29,7 +29,7 @@ from ple.tiers import Tiers
 from helpers import (COMPILE_CCS, assert_runs_on_old_gpus, assert_same_bits_but_nan, compile_in_subprocess,
                      load_interpreted)
 
-KERNELS = Path(ple.kernels.__file__).parent
+KERNELS = Path(ple.kernels.__path__[0])
 NUM_ROWS = 100
 
 
