@@ -212,6 +212,9 @@ class _Served:
         return _served, (self.model_class, self.lookahead_bytes)
 
 
+_install_lock = threading.Lock()
+
+
 def _served(model_class: type, lookahead_bytes: int) -> _Served:
     """The :class:`_Served` of a model of ``model_class``, with ple's save
     guard and ``generate`` in place."""
@@ -219,9 +222,6 @@ def _served(model_class: type, lookahead_bytes: int) -> _Served:
         _guard_saving()
         _give_generate(model_class)
     return _Served(model_class, lookahead_bytes)
-
-
-_install_lock = threading.Lock()
 
 
 def _serve(model: nn.Module, lookahead_mib: int) -> None:
@@ -373,7 +373,7 @@ def _refuse_directory_of_tables(directory) -> None:
 
 def _refuse_file_of_tables(path, doing: str) -> None:
     """A ValueError when ``path`` is (or links to) a file a ple table is
-    served from, which transformers was about to ``doing``."""
+    served from; ``doing``: what transformers was about to do to it."""
     names = _served_files().get(_file_id(path))
     if names:
         raise ValueError(f"save_pretrained: {path} is a file of {_tables_named(names)}, which "
