@@ -134,7 +134,7 @@ from safetensors.torch import save_file
 rows = torch.randn(1000, 16)
 save_file({"emb.weight": rows}, "table.safetensors")
 ids = torch.tensor([[3, 999], [0, 3]])
-with ple.Table.from_safetensors("table.safetensors", "emb") as table:
+with ple.Table.from_safetensors("table.safetensors", "emb.weight") as table:
     assert torch.equal(ple.gather(table, ids), rows[ids])
 print(torch.__version__, ple.__file__)
 """
