@@ -18,6 +18,7 @@ if __name__ == "ple":
     def _installed_spec():
         """The spec of the ple that every finder finds on ``sys.path`` less
         the folder holding this checkout; None if none is installed."""
+        here = os.path.realpath(__file__)
         holder = os.path.realpath(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         entries = [e for e in sys.path if os.path.realpath(e or os.curdir) != holder]
         for finder in sys.meta_path:
@@ -26,7 +27,7 @@ if __name__ == "ple":
             else:
                 spec = getattr(finder, "find_spec", lambda name, path: None)(__name__, None)
             if spec is not None and spec.loader is not None and (
-                    spec.origin is None or os.path.realpath(spec.origin) != os.path.realpath(__file__)):
+                    spec.origin is None or os.path.realpath(spec.origin) != here):
                 return spec
         return None
 

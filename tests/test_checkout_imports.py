@@ -32,8 +32,8 @@ def test_the_checkouts_folders_hide_no_package_of_their_names(tmp_path):
     for name in FOLDERS:
         (tmp_path / name).mkdir()
         (tmp_path / name / "__init__.py").write_text(f"WHERE = {str(tmp_path)!r}\n")
-    run = python("import importlib, json, sys\n"
-                 f"print(json.dumps({{name: importlib.import_module(name).WHERE for name in {FOLDERS}}}))",
+    run = python("import importlib, json\n"
+                 f"print(json.dumps({{n: importlib.import_module(n).WHERE for n in {FOLDERS}}}))",
                  REPO, PYTHONPATH=str(tmp_path))
     assert run.returncode == 0, run.stderr
     assert json.loads(run.stdout) == dict.fromkeys(FOLDERS, str(tmp_path))
@@ -64,8 +64,8 @@ def test_ple_keeps_its_subpackages_and_names():
                  "except AttributeError as error:\n"
                  "    unknown = str(error)\n"
                  "print(json.dumps([sorted(ple.layers.__all__), DiskEmbedding.__module__,\n"
-                 "                  NGramHashing.__module__, hasattr(torch.ops.ple, 'disk_gather'),\n"
-                 "                  unknown]))",
+                 "                  NGramHashing.__module__,\n"
+                 "                  hasattr(torch.ops.ple, 'disk_gather'), unknown]))",
                  REPO)
     assert run.returncode == 0, run.stderr
     assert json.loads(run.stdout) == [

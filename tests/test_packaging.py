@@ -112,7 +112,8 @@ def test_an_old_setuptools_stops_the_build_naming_the_fix(tmp_path):
     field setuptools before 77 refuses with a schema error."""
     (tmp_path / "setuptools").mkdir()
     (tmp_path / "setuptools" / "__init__.py").write_text(
-        "__version__ = '65.5.0'\n\ndef setup(**options):\n    raise AssertionError('setup() ran')\n")
+        "__version__ = '65.5.0'\n\n"
+        "def setup(**options):\n    raise AssertionError('setup() ran')\n")
     run = subprocess.run([sys.executable, "setup.py", "--version"], cwd=REPO, capture_output=True,
                          text=True, timeout=60, env={**os.environ, "PYTHONPATH": str(tmp_path)})
     assert run.returncode == 1
