@@ -205,15 +205,15 @@ void read_rows(int64_t handle, const torch::Tensor& ids, torch::Tensor& out, ple
   signals.raise_if_raised();
 }
 
-void prefetch(int64_t handle, const torch::Tensor& ids, int64_t resident_begin,
-              int64_t resident_end) {
+uint64_t prefetch(int64_t handle, const torch::Tensor& ids, int64_t resident_begin,
+                  int64_t resident_end, uint64_t owner) {
   TORCH_CHECK(ids.device().is_cpu() && ids.is_contiguous() && ids.scalar_type() == torch::kInt64,
               "prefetch ids must be a contiguous int64 CPU tensor");
   const int64_t* data = ids.data_ptr<int64_t>();
   auto table = ple::find_table(handle);
   std::vector<int64_t> copy(data, data + ids.numel());
   py::gil_scoped_release no_gil;
-  table->prefetch(std::move(copy), {resident_begin, resident_end});
+  return table->prefetch(std::move(copy), {resident_begin, resident_end}, owner);
 }
 
 // Raises `type` with `what`, decoded as Python decodes file names: messages
@@ -279,12 +279,25 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     return table->counters().snapshot(table->row_bytes());
   });
   m.def("reset_stats", [](int64_t h) { ple::find_table(h)->counters().reset(); });
-  m.def("prefetch", &prefetch, "Starts gathering ids on a background thread for the next gather of them");
+  m.def("prefetch", &prefetch,
+        "Starts gathering ids for an owner on a background thread for the next gather of them; "
+        "returns the prefetch's ticket");
   // Without the GIL: it waits for the prefetch being read.
   m.def(
-      "drop_prefetches", [](int64_t handle) { ple::find_table(handle)->drop_prefetches(); },
+      "drop_prefetches",
+      [](int64_t handle, std::optional<uint64_t> owner, uint64_t through) {
+        return ple::find_table(handle)->drop_prefetches(owner, through);
+      },
       py::call_guard<py::gil_scoped_release>(),
-      "Drops the prefetches no gather has taken; returns once none of them is read");
+      "Drops an owner's (None: every) prefetches up to a ticket that no gather has taken; returns "
+      "their bytes once none of them is read");
+  m.def(
+      "prefetched_bytes",
+      [](int64_t handle, std::optional<uint64_t> owner) {
+        return ple::find_table(handle)->prefetched_bytes(owner);
+      },
+      py::call_guard<py::gil_scoped_release>(),
+      "The bytes of rows an owner's (None: every) prefetches hold");
   m.def(
       "launch_host_gather",
       [](uintptr_t stream, int64_t handle, uintptr_t ids, int64_t n, int64_t resident_begin,

@@ -110,7 +110,13 @@ MappedTable::~MappedTable() {
 
 void MappedTable::shut_down() { prefetch_.shut_down(); }
 
-void MappedTable::drop_prefetches() { prefetch_.drop_untaken(); }
+uint64_t MappedTable::drop_prefetches(std::optional<uint64_t> owner, uint64_t through) {
+  return prefetch_.drop_untaken(owner, through);
+}
+
+uint64_t MappedTable::prefetched_bytes(std::optional<uint64_t> owner) {
+  return prefetch_.held_bytes(owner);
+}
 
 void MappedTable::lock_for_fork() {
   prefetch_.lock_for_fork();
@@ -129,22 +135,25 @@ void MappedTable::unlock_after_fork(bool in_child) {
 void MappedTable::gather(const void* ids, bool ids_are_int64, int64_t n, uint8_t* out,
                          ResidentRange resident, int64_t max_threads) {
   Interruption stop;  // the calling thread's poll, if it has one
-  switch (prefetch_.take(ids, ids_are_int64, n, out, resident, stop)) {
+  int64_t taken = 0;
+  switch (prefetch_.take(ids, ids_are_int64, n, out, resident, stop, taken)) {
     case PrefetchQueue::Taken::kHit:
       ++counters_.prefetch_hits;
-      return;
+      if (taken == n) return;
+      break;  // a padded request: its rows after the prefetch's are read here
     case PrefetchQueue::Taken::kMissed:
       ++counters_.prefetch_misses;
       break;
     case PrefetchQueue::Taken::kNothingPending:
       break;
   }
-  gather_rows(*this, ids, ids_are_int64, n, out, resident, /*use_row_cache=*/true, stop,
-              max_threads);
+  const size_t id_bytes = ids_are_int64 ? sizeof(int64_t) : sizeof(int32_t);
+  gather_rows(*this, static_cast<const uint8_t*>(ids) + taken * id_bytes, ids_are_int64, n - taken,
+              out + taken * row_bytes_, resident, /*use_row_cache=*/true, stop, max_threads);
 }
 
-void MappedTable::prefetch(std::vector<int64_t> ids, ResidentRange resident) {
-  prefetch_.push(std::move(ids), resident);
+uint64_t MappedTable::prefetch(std::vector<int64_t> ids, ResidentRange resident, uint64_t owner) {
+  return prefetch_.push(std::move(ids), resident, owner);
 }
 
 std::string MappedTable::locate(uintptr_t address) const {

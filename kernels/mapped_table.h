@@ -99,16 +99,24 @@ class MappedTable {
   GatherScratchPool& scratch_pool() { return scratch_pool_; }
 
   // The rows `ids` into `out` (see gather_rows, and its `max_threads`),
-  // taken from a pending prefetch of the same ids when there is one (whose
-  // rows of resident ids are zeros: the caller fills those either way).
+  // taken from a pending prefetch of the same ids, or of the first of them,
+  // when there is one (PrefetchQueue::take; its rows of resident ids are
+  // zeros: the caller fills those either way).
   void gather(const void* ids, bool ids_are_int64, int64_t n, uint8_t* out, ResidentRange resident,
               int64_t max_threads = 0);
 
-  // Queues the gather of `ids` on the table's prefetch thread (PrefetchQueue::push).
-  void prefetch(std::vector<int64_t> ids, ResidentRange resident);
+  // Queues the gather of `ids` for `owner` on the table's prefetch thread;
+  // returns its ticket (PrefetchQueue::push).
+  uint64_t prefetch(std::vector<int64_t> ids, ResidentRange resident, uint64_t owner);
 
-  // Drops the prefetches no gather has taken (PrefetchQueue::drop_untaken).
-  void drop_prefetches();
+  // Drops the prefetches of `owner` (all: nullopt), up to ticket `through`,
+  // that no gather has taken; returns their bytes (PrefetchQueue::drop_untaken).
+  uint64_t drop_prefetches(std::optional<uint64_t> owner = std::nullopt,
+                           uint64_t through = UINT64_MAX);
+
+  // The bytes of rows the prefetches of `owner` (all: nullopt) hold
+  // (PrefetchQueue::held_bytes).
+  uint64_t prefetched_bytes(std::optional<uint64_t> owner = std::nullopt);
 
   // Drops this table's pages from the page cache: unmaps them from this
   // process, then asks the kernel to forget the files' clean pages.  Pages

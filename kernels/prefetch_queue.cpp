@@ -17,7 +17,8 @@ void PrefetchQueue::shut_down() {
   {
     std::lock_guard<std::mutex> lock(mutex_);
     stopping_ = true;
-    cancel_.store(true);
+    for (const auto& request : pending_) request->cancel.store(true);
+    if (running_ != nullptr) running_->cancel.store(true);
     worker = std::move(worker_);
   }
   changed_.notify_all();
@@ -33,21 +34,39 @@ void PrefetchQueue::shut_down() {
   changed_.notify_all();
 }
 
-void PrefetchQueue::drop_untaken() {
+uint64_t PrefetchQueue::drop_untaken(std::optional<uint64_t> owner, uint64_t through) {
   std::unique_lock<std::mutex> lock(mutex_);
   std::shared_ptr<PrefetchRequest> running;
+  uint64_t dropped = 0;
   for (auto it = pending_.begin(); it != pending_.end();) {
-    if ((*it)->taken) {
+    const PrefetchRequest& request = **it;
+    if (request.taken || (owner && request.owner != *owner) || request.ticket > through) {
       ++it;
       continue;
     }
-    if ((*it)->started && !(*it)->done) running = *it;
+    if (request.started && !request.done) running = *it;
+    dropped += bytes_of(request);
     it = pending_.erase(it);  // out of the queue, no gather can take it now
   }
-  if (running == nullptr) return;
-  cancel_.store(true);
-  changed_.wait(lock, [&] { return running->done; });
-  if (!stopping_) cancel_.store(false);  // shut_down's cancel stays
+  if (running != nullptr) {
+    running->cancel.store(true);
+    changed_.wait(lock, [&] { return running->done; });
+  }
+  return dropped;
+}
+
+uint64_t PrefetchQueue::held_bytes(std::optional<uint64_t> owner) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  uint64_t held = 0;
+  for (const auto& request : pending_) {
+    if (!request->taken && (!owner || request->owner == *owner)) held += bytes_of(*request);
+  }
+  // A running one that push dropped holds its rows until its gather stops.
+  if (running_ != nullptr && (!owner || running_->owner == *owner) &&
+      std::find(pending_.begin(), pending_.end(), running_) == pending_.end()) {
+    held += bytes_of(*running_);
+  }
+  return held;
 }
 
 void PrefetchQueue::lock_for_fork() { mutex_.lock(); }
@@ -56,6 +75,7 @@ void PrefetchQueue::unlock_after_fork(bool in_child) {
   if (in_child) {
     // The thread is the parent's: the child neither joins it nor waits for it.
     (void)worker_.release();
+    running_.reset();
     // The condition variable counts the parent's waiters, which the child
     // would wait for: a new one replaces it (the old one is not destroyed,
     // which would wait for them too).
@@ -67,30 +87,33 @@ void PrefetchQueue::unlock_after_fork(bool in_child) {
   mutex_.unlock();
 }
 
-void PrefetchQueue::push(std::vector<int64_t> ids, ResidentRange resident) {
+uint64_t PrefetchQueue::push(std::vector<int64_t> ids, ResidentRange resident, uint64_t owner) {
   auto request = std::make_shared<PrefetchRequest>();
   request->ids = std::move(ids);
   request->resident = resident;
-  // What a request's rows take (or will take, once the thread has them).
-  auto bytes_of = [this](const PrefetchRequest& r) { return r.ids.size() * row_bytes_; };
+  request->owner = owner;
+  uint64_t ticket;
   {
     std::lock_guard<std::mutex> lock(mutex_);
-    if (stopping_) return;
+    if (stopping_) return 0;
     if (worker_ == nullptr) worker_ = std::make_unique<std::thread>([this] { run(); });
+    ticket = request->ticket = ++last_ticket_;
     uint64_t held = bytes_of(*request);
     for (const auto& queued : pending_) held += queued->taken ? 0 : bytes_of(*queued);
-    // Oldest first; a running one finishes unseen (the worker holds it).
+    // Oldest first; a running one is cancelled (no gather can take it now).
     for (auto it = pending_.begin(); held > kMaxPendingBytes && it != pending_.end();) {
       if ((*it)->taken) {
         ++it;
         continue;
       }
       held -= bytes_of(**it);
+      (*it)->cancel.store(true);
       it = pending_.erase(it);
     }
     pending_.push_back(std::move(request));
   }
   changed_.notify_all();
+  return ticket;
 }
 
 void PrefetchQueue::run() {
@@ -108,11 +131,12 @@ void PrefetchQueue::run() {
     });
     if (stopping_) return;
     next->started = true;
+    running_ = next;
     lock.unlock();
     std::exception_ptr error;
     try {
       next->rows.resize(next->ids.size() * row_bytes_);
-      Interruption stop(&cancel_);  // by shut_down
+      Interruption stop(&next->cancel);
       gather_(next->ids, next->resident, next->rows.data(), stop);
     } catch (...) {
       error = std::current_exception();
@@ -120,16 +144,24 @@ void PrefetchQueue::run() {
     lock.lock();
     next->error = error;
     next->done = true;
+    running_.reset();
+    if (std::find(pending_.begin(), pending_.end(), next) == pending_.end()) {
+      next->rows = {};  // dropped while it ran: nobody takes its rows
+    }
     changed_.notify_all();
   }
 }
 
 PrefetchQueue::Taken PrefetchQueue::take(const void* ids, bool ids_are_int64, int64_t n,
-                                         uint8_t* out, ResidentRange resident, Interruption& stop) {
-  // Prefetched ids are int64; a request of int32 ids is compared value by value.
-  auto same_ids = [&](const std::vector<int64_t>& queued) {
-    if (static_cast<int64_t>(queued.size()) != n) return false;
-    if (ids_are_int64) return std::memcmp(queued.data(), ids, n * sizeof(int64_t)) == 0;
+                                         uint8_t* out, ResidentRange resident, Interruption& stop,
+                                         int64_t& rows_taken) {
+  rows_taken = 0;
+  // Whether a prefetch's ids (int64) are the first of the request's; a
+  // request of int32 ids is compared value by value.
+  auto leads = [&](const std::vector<int64_t>& queued) {
+    const auto m = static_cast<int64_t>(queued.size());
+    if (m == 0 || m > n) return false;
+    if (ids_are_int64) return std::memcmp(queued.data(), ids, m * sizeof(int64_t)) == 0;
     const auto* narrow = static_cast<const int32_t*>(ids);
     return std::equal(queued.begin(), queued.end(), narrow);
   };
@@ -138,11 +170,11 @@ PrefetchQueue::Taken PrefetchQueue::take(const void* ids, bool ids_are_int64, in
   std::shared_ptr<PrefetchRequest> request;
   for (const auto& queued : pending_) {
     if (queued->taken) continue;
-    if (queued->resident == resident && same_ids(queued->ids)) {
-      request = queued;
-      break;
+    if (queued->resident == resident && leads(queued->ids)) {
+      if (request == nullptr || queued->ids.size() > request->ids.size()) request = queued;
+    } else {
+      others = true;
     }
-    others = true;
   }
   if (request == nullptr) return others ? Taken::kMissed : Taken::kNothingPending;
   request->taken = true;  // nobody drops it now: the worker will get to it
@@ -161,6 +193,7 @@ PrefetchQueue::Taken PrefetchQueue::take(const void* ids, bool ids_are_int64, in
   lock.unlock();
   if (request->error) return Taken::kMissed;  // the caller's own gather raises the error
   std::memcpy(out, request->rows.data(), request->rows.size());
+  rows_taken = static_cast<int64_t>(request->ids.size());
   return Taken::kHit;
 }
 

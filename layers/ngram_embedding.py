@@ -157,11 +157,17 @@ class NGramEmbedding(LooksAhead, PlacesServedRows, torch.nn.Module):
         ``[T]`` each token's request, ``context`` ``[R, ngram_size - 1]`` each
         request's last tokens before this step, oldest first (see
         ``NGramHashing.row_ids``)."""
-        ids = self.row_ids(token_ids, seq_ids, context)
-        rows = gather(self.table, ids, self.dtype, self.split, self.round_scale)
-        if self._lookahead is not None:
-            self._gathered(ids)
+        if self._lookahead is None:
+            rows = self._hashed_rows(token_ids, seq_ids, context)
+        else:
+            rows = self._gather_planned(self._hashed_rows, token_ids, seq_ids, context)
         return rows.reshape(token_ids.shape[0], self.embedding_dim)
+
+    def _hashed_rows(self, token_ids: torch.Tensor, seq_ids: torch.Tensor | None,
+                     context: torch.Tensor | None) -> torch.Tensor:
+        """The rows of the tokens' hashed ids, ``[T, heads, cols]``."""
+        ids = self.row_ids(token_ids, seq_ids, context)
+        return gather(self.table, ids, self.dtype, self.split, self.round_scale)
 
     def prefetch(self, token_ids: torch.Tensor, seq_ids: torch.Tensor | None = None,
                  context: torch.Tensor | None = None) -> None:

@@ -44,10 +44,12 @@ class PackedGGUFEmbedding(LooksAhead, PlacesServedRows, torch.nn.Module):
         self.embedding_dim = table.cols
 
     def forward(self, token_ids: torch.Tensor) -> torch.Tensor:
-        rows = gather(self.table, token_ids, self.dtype, self.split)
-        if self._lookahead is not None:
-            self._gathered(token_ids)
-        return rows
+        if self._lookahead is None:
+            return self._rows(token_ids)
+        return self._gather_planned(self._rows, token_ids)
+
+    def _rows(self, token_ids: torch.Tensor) -> torch.Tensor:
+        return gather(self.table, token_ids, self.dtype, self.split)
 
     def prefetch(self, token_ids: torch.Tensor) -> None:
         """Starts reading the rows of a later ``forward`` of ids equal to these

@@ -503,30 +503,56 @@ class Table:
             self.release(tiers)
         return out
 
-    def prefetch(self, ids) -> None:
+    def prefetch(self, ids, owner: int = 0) -> int:
         """Starts gathering ``ids`` (on the host) on a background thread.  The
-        next gather of exactly these ids (int64) on this table, by an operator
-        on any device, waits for it instead of reading the rows itself; other
-        ids are gathered as usual.  Counted in ``prefetch_hits`` and
-        ``prefetch_misses``."""
+        next gather of exactly these ids on this table, or of ids that begin
+        with them (a batch padded after them, as a CUDA graph pads it), by an
+        operator on any device, takes their rows instead of reading them;
+        other ids are gathered as usual.  Counted in ``prefetch_hits`` and
+        ``prefetch_misses``.  ``owner`` (an int >= 0; 0: nobody's) names the
+        set the prefetch belongs to (a lookahead plan's), for
+        :meth:`drop_prefetches` and :meth:`prefetched_bytes`.  Returns the
+        prefetch's ticket, larger than those of the table's earlier
+        prefetches (0: the table is closing and nothing was started)."""
         ids = torch.as_tensor(ids)
+        check_dense_ids(ids, "ple: prefetch")
         if ids.dtype not in (torch.int32, torch.int64) or ids.device.type != "cpu":
             raise TypeError(f"ple: prefetch takes int32 or int64 ids on the CPU, not {ids.dtype} "
                             f"on {ids.device}")
         handle, tiers = self.acquire()
         try:
-            native.prefetch(handle, ids.reshape(-1).to(torch.int64).contiguous(),
-                            *(tiers.resident_range if tiers is not None else (0, 0)))
+            return native.prefetch(handle, ids.reshape(-1).to(torch.int64).contiguous(),
+                                   *(tiers.resident_range if tiers is not None else (0, 0)), owner)
         finally:
             self.release(tiers)
 
-    def drop_prefetches(self) -> None:
-        """Drops the prefetches that no gather has taken yet (their rows are
-        freed), cancelling the one being read: when it returns, no read of
-        theirs runs.  A gather already waiting for its prefetch keeps it."""
-        handle, tiers = self.acquire()
+    def drop_prefetches(self, owner: int | None = None, through: int | None = None) -> int:
+        """Drops the prefetches of ``owner`` (every owner's: None) that no
+        gather has taken yet, those of tickets up to ``through`` (all: None),
+        cancelling the one being read: when it returns, no read of theirs
+        runs, and their rows are freed.  A gather already waiting for its
+        prefetch keeps it.  Returns the bytes of rows the dropped ones were to
+        hold.  On a closed table it does nothing (closing dropped them all)."""
         try:
-            native.drop_prefetches(handle)
+            handle, tiers = self.acquire()
+        except ValueError:  # closed
+            return 0
+        try:
+            return native.drop_prefetches(handle, owner, 2**64 - 1 if through is None else through)
+        finally:
+            self.release(tiers)
+
+    def prefetched_bytes(self, owner: int | None = None) -> int:
+        """The bytes of rows that the prefetches of ``owner`` (every owner's:
+        None) hold, or will hold once read, until a gather takes them or they
+        are dropped: what is read ahead and not yet taken.  0 on a closed
+        table."""
+        try:
+            handle, tiers = self.acquire()
+        except ValueError:  # closed
+            return 0
+        try:
+            return native.prefetched_bytes(handle, owner)
         finally:
             self.release(tiers)
 

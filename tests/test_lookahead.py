@@ -2,18 +2,28 @@
 layers with their rows read ahead give the bytes of the same forwards
 without it, for chunks of one token, a partial last chunk and one chunk;
 every chunk after a plan starts is a prefetch hit; the rows read ahead stay
-within the bound; a forward of another size ends the plan; end_lookahead
-leaves no prefetch behind and no read running; with a row cache and direct
-I/O, compiled, and on CUDA (skipped without a GPU)."""
+within the bound, and lookahead_bytes is what the table holds; a forward of
+another size ends the plan; end_lookahead leaves no prefetch behind and no
+read running; with a row cache and direct I/O, compiled, and on CUDA
+(skipped without a GPU).
+
+The bound whatever the forwards do: forwards of the planned sizes but other
+ids, a forward that raises, plans of two layers on one table, forwards on
+six threads while another plans anew, end_lookahead after close, a copy of
+a layer that looks ahead; and a prefetch taken by a gather padded after
+its ids."""
 
 from __future__ import annotations
 
+import copy
+import sys
+import threading
 import time
 
 import pytest
 import torch
 
-from helpers import assert_same_bits, assert_same_bits_but_nan
+from helpers import assert_same_bits, assert_same_bits_but_nan, write_fp8_table
 from ple import GatherConfig
 from ple.layers import DiskEmbedding, NGramEmbedding
 from ple.layers.lookahead import MOST_BYTES
@@ -76,6 +86,7 @@ def test_the_rows_read_ahead_stay_within_the_bound(layer):
     for chunk, context in chunks_of(tokens, 3):
         layer(chunk, torch.zeros(len(chunk), dtype=torch.int64), context)
         seen.append(layer.lookahead_bytes)
+        assert seen[-1] == layer.table.prefetched_bytes()
     assert max(seen) == 2 * chunk_bytes
     assert seen[-1] == 0
 
@@ -184,3 +195,210 @@ def test_cuda_the_bound_holds_while_the_host_runs_ahead_of_the_stream(layer):
         assert_same_bits_but_nan(rows, want)
     torch.cuda.synchronize()
     assert layer.table.stats()["prefetch_hits"] == len(expected)
+
+
+# The bound whatever the forwards do: a DiskEmbedding over 2,000 rows of 160 B,
+# chunks of CHUNK ids (8,000 B of rows), two chunks ahead at most.
+CHUNK = 50
+ROWS = 2000
+
+
+@pytest.fixture
+def embedding(tmp_path):
+    with DiskEmbedding.from_safetensors(write_fp8_table(tmp_path / "t.safetensors", ROWS)) as opened:
+        yield opened
+
+
+def random_ids(seed: int, chunks: int) -> torch.Tensor:
+    """``chunks`` chunks of ids, as a prompt [1, chunks * CHUNK]."""
+    return torch.randint(0, ROWS, (1, chunks * CHUNK), generator=torch.Generator().manual_seed(seed))
+
+
+def all_rows(embedding) -> torch.Tensor:
+    """Every row of the table, gathered without a plan: the reference."""
+    return embedding(torch.arange(ROWS))
+
+
+def test_forwards_of_other_ids_end_the_plan_and_leave_nothing_held(embedding):
+    """Forwards of the planned size but other ids: the first one ends the
+    plan and drops what it read ahead; nothing is held while the others run
+    nor after; the planned ids then find no prefetch."""
+    table, reference = embedding.table, all_rows(embedding)
+    planned, other = random_ids(0, 10), random_ids(1, 10)
+    bound = 2 * CHUNK * table.row_bytes
+    embedding.lookahead(planned, CHUNK, max_bytes=bound)
+    assert embedding.lookahead_bytes == table.prefetched_bytes() == bound
+    for chunk in other.split(CHUNK, dim=-1):
+        assert_same_bits(embedding(chunk), reference[chunk])
+        assert not embedding.looking_ahead
+        assert embedding.lookahead_bytes == table.prefetched_bytes() == 0
+    table.reset_stats()
+    for chunk in planned.split(CHUNK, dim=-1):
+        embedding(chunk)
+    assert (table.stats()["prefetch_hits"], table.stats()["prefetch_misses"]) == (0, 0)
+
+
+def test_a_forward_that_misses_mid_plan_ends_it(embedding):
+    table, reference = embedding.table, all_rows(embedding)
+    planned = random_ids(2, 6)
+    chunks = list(planned.split(CHUNK, dim=-1))
+    chunks[2] = random_ids(3, 1)
+    table.reset_stats()
+    embedding.lookahead(planned, CHUNK, max_bytes=2 * CHUNK * table.row_bytes)
+    for k, chunk in enumerate(chunks):
+        assert_same_bits(embedding(chunk), reference[chunk])
+        assert embedding.looking_ahead == (k < 2)
+    assert table.stats()["prefetch_hits"] == 2
+    assert embedding.lookahead_bytes == table.prefetched_bytes() == 0
+
+
+def test_a_forward_that_raises_ends_its_plan_alone(embedding):
+    """Two layers over one table, each with a plan: the first's forward of
+    an id out of range raises and ends its plan, and the second's chunks all
+    come from its prefetches, before and after the first's end_lookahead."""
+    table = embedding.table
+    other = DiskEmbedding(table)
+    reference = all_rows(embedding)
+    mine, theirs = random_ids(4, 5), random_ids(5, 5)
+    table.reset_stats()
+    embedding.lookahead(mine, CHUNK)
+    other.lookahead(theirs, CHUNK)
+    their_chunks = list(theirs.split(CHUNK, dim=-1))
+    embedding(mine[:, :CHUNK])
+    other(their_chunks[0])
+    bad = mine[:, CHUNK:2 * CHUNK].clone()
+    bad[0, 7] = ROWS
+    with pytest.raises(IndexError, match=f"row id {ROWS} at position 7 is out of range"):
+        embedding(bad)
+    assert not embedding.looking_ahead and embedding.lookahead_bytes == 0
+    assert other.lookahead_bytes == table.prefetched_bytes() > 0
+    other(their_chunks[1])
+    embedding.end_lookahead()
+    for chunk in their_chunks[2:]:
+        assert_same_bits(other(chunk), reference[chunk])
+    assert table.stats()["prefetch_hits"] == 1 + len(their_chunks)
+    assert table.prefetched_bytes() == 0
+
+
+def test_end_lookahead_drops_only_its_own_plans_prefetches(embedding):
+    table = embedding.table
+    other = DiskEmbedding(table)
+    mine, theirs = random_ids(6, 4), random_ids(7, 4)
+    embedding.lookahead(mine, CHUNK)
+    other.lookahead(theirs, CHUNK)
+    both = table.prefetched_bytes()
+    embedding.end_lookahead()
+    assert table.prefetched_bytes() == other.lookahead_bytes == both // 2
+    table.reset_stats()
+    for chunk in theirs.split(CHUNK, dim=-1):
+        other(chunk)
+    assert table.stats()["prefetch_hits"] == 4
+
+
+def test_end_lookahead_after_close_does_nothing(embedding):
+    embedding.lookahead(random_ids(8, 3), CHUNK)
+    embedding.close()
+    embedding.end_lookahead()
+    assert not embedding.looking_ahead and embedding.lookahead_bytes == 0
+
+
+def test_a_copy_of_a_layer_that_looks_ahead_has_no_plan(embedding):
+    planned = random_ids(9, 3)
+    embedding.lookahead(planned, CHUNK)
+    copied = copy.deepcopy(embedding)
+    with copied.table:
+        assert not copied.looking_ahead and copied.table.prefetched_bytes() == 0
+    assert embedding.looking_ahead
+    embedding.table.reset_stats()
+    for chunk in planned.split(CHUNK, dim=-1):
+        embedding(chunk)
+    assert embedding.table.stats()["prefetch_hits"] == 3
+
+
+def test_forwards_on_six_threads_while_another_plans_anew(embedding):
+    """Six threads forward chunks of the planned size, planned ids or not,
+    while a seventh plans again and again: each forward gives its rows, no
+    thread raises, the bound holds, and the end leaves nothing held."""
+    table, reference = embedding.table, all_rows(embedding)
+    planned = random_ids(10, 8)
+    chunks = list(planned.split(CHUNK, dim=-1)) + list(random_ids(11, 4).split(CHUNK, dim=-1))
+    bound = 2 * CHUNK * table.row_bytes
+    errors, held = [], []
+    stop = time.monotonic() + 1.5
+
+    def forwards(seed):
+        order = torch.randint(0, len(chunks), (10_000,), generator=torch.Generator().manual_seed(seed))
+        try:
+            for k in order.tolist():
+                if time.monotonic() > stop:
+                    return
+                if not torch.equal(embedding(chunks[k]), reference[chunks[k]]):
+                    errors.append(f"chunk {k}: other rows")
+        except BaseException as error:  # noqa: BLE001 (reported by the test)
+            errors.append(repr(error))
+
+    def plans():
+        try:
+            while time.monotonic() < stop:
+                embedding.lookahead(planned, CHUNK, max_bytes=bound)
+                held.append(table.prefetched_bytes())
+        except BaseException as error:  # noqa: BLE001
+            errors.append(repr(error))
+
+    threads = [threading.Thread(target=forwards, args=(seed,)) for seed in range(6)]
+    threads.append(threading.Thread(target=plans))
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-5)  # threads switch between any two steps of a forward
+    try:
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=120)
+    finally:
+        sys.setswitchinterval(interval)
+    assert not any(thread.is_alive() for thread in threads)
+    assert errors == []
+    assert held and max(held) <= bound
+    embedding.end_lookahead()
+    assert table.prefetched_bytes() == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32])
+def test_a_prefetch_serves_a_gather_padded_after_its_ids(embedding, dtype):
+    """As a CUDA graph pads a batch: the gather of the prefetched ids and
+    then others takes the prefetch's rows and reads the rest; a gather of
+    fewer ids, or of the ids not first, takes nothing."""
+    table, reference = embedding.table, all_rows(embedding)
+    ids = random_ids(12, 1)[0]
+    padded = torch.cat([ids, torch.zeros(14, dtype=torch.int64)]).to(dtype)
+    table.reset_stats()
+    table.prefetch(ids)
+    assert_same_bits(embedding(padded), reference[padded.long()])
+    assert (table.stats()["prefetch_hits"], table.prefetched_bytes()) == (1, 0)
+    table.prefetch(ids)
+    for not_first in (ids[:-1], torch.cat([torch.zeros(1, dtype=torch.int64), ids])):
+        assert_same_bits(embedding(not_first.to(dtype)), reference[not_first])
+    assert (table.stats()["prefetch_hits"], table.stats()["prefetch_misses"]) == (1, 2)
+    assert table.drop_prefetches() == len(ids) * table.row_bytes
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_forwards_of_other_ids_stay_within_the_bound(embedding):
+    """The stream sleeps first, so the forwards are enqueued before their
+    gathers run: the plan counts them until the stream passes them, then
+    finds them missed, ends, and holds nothing."""
+    table, reference = embedding.table, all_rows(embedding)
+    planned, other = random_ids(13, 8), random_ids(14, 8)
+    bound = 2 * CHUNK * table.row_bytes
+    embedding.lookahead(planned, CHUNK, max_bytes=bound)
+    torch.cuda._sleep(50_000_000)
+    got = []
+    for chunk in other.split(CHUNK, dim=-1):
+        got.append(embedding(chunk.cuda()))
+        assert table.prefetched_bytes() <= bound
+    for rows, chunk in zip(got, other.split(CHUNK, dim=-1)):
+        assert_same_bits(rows, reference[chunk])
+    torch.cuda.synchronize()
+    assert embedding.lookahead_bytes == 0
+    embedding.end_lookahead()
+    assert table.prefetched_bytes() == 0

@@ -4,7 +4,12 @@ by ple gives the tokens and logits of transformers' own model and of ple
 without lookahead, bit for bit, for chunks of one token, a partial last
 chunk and one chunk, two requests with an EOS inside; each chunk after the
 first is a prefetch hit; nothing is read ahead after generate returns or
-raises; on CUDA too (skipped without a GPU)."""
+raises; on CUDA too (skipped without a GPU).
+
+Batches of three padded requests (left, right, a mask with a hole), given
+with their attention mask: the plan foresees the ids each model gathers
+(Qwen4Exp hashes the masked tokens as EOS, except in a chunk of one token),
+so every chunk is a hit, with the bits of transformers' own model."""
 
 from __future__ import annotations
 
@@ -74,9 +79,52 @@ def test_nothing_is_read_ahead_after_generate_raises(checkpoints):
         generate(served, prompt(2, PROMPT_SHAPE), 2)
     hook.remove()
     assert not any(m.looking_ahead for m in served_modules(served))
+    assert all(t.prefetched_bytes() == 0 for t in tables(served).values())
     calls = {name: t.stats()["calls"] for name, t in tables(served).items()}
     time.sleep(0.2)  # a read left running would count here
     assert calls == {name: t.stats()["calls"] for name, t in tables(served).items()}
+
+
+PADDED_LENGTH = 10
+PAD_ID = 0
+
+
+def padded_batch(padding: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Three requests of 10, 7 and 4 tokens (an EOS inside the first), padded
+    to 10 on the left or the right, or unpadded with a hole of three masked
+    tokens in the second; the ids and the attention mask."""
+    ids = prompt(4, (3, PADDED_LENGTH))
+    mask = torch.ones_like(ids)
+    for row, length in enumerate((10, 7, 4)):
+        pads = slice(0, PADDED_LENGTH - length) if padding == "left" else slice(length, None)
+        if padding != "hole":
+            mask[row, pads] = 0
+    if padding == "hole":
+        mask[1, 3:6] = 0
+    return torch.where(mask.bool(), ids, PAD_ID), mask
+
+
+@pytest.mark.parametrize("key", MODELS)
+@pytest.mark.parametrize("padding, chunk_size",
+                         [("left", 1), ("left", 3), ("left", 4), ("right", 3), ("hole", 4)])
+def test_padded_batches_read_ahead_every_chunk(checkpoints, key, padding, chunk_size):
+    """Chunks of 3 leave a last chunk of one token (hashed unmasked: a
+    padding token, on the right), chunks of 1 only such chunks."""
+    model_class = MODELS[key][0]
+    reference = model_class.from_pretrained(checkpoints[key])
+    served = from_pretrained(model_class, checkpoints[key])
+    ids, mask = padded_batch(padding)
+    want_tokens, want_logits = generate(reference, ids, chunk_size, attention_mask=mask,
+                                        pad_token_id=PAD_ID)
+    for table in tables(served).values():
+        table.reset_stats()
+    tokens, logits = generate(served, ids, chunk_size, attention_mask=mask, pad_token_id=PAD_ID)
+    assert torch.equal(tokens, want_tokens)
+    assert_same_bits(logits, want_logits)
+    chunks = -(-PADDED_LENGTH // chunk_size)
+    for name, table in tables(served).items():
+        assert (table.stats()["prefetch_hits"], table.prefetched_bytes()) == (chunks, 0), name
+    assert not any(module.looking_ahead for module in served_modules(served))
 
 
 @pytest.mark.parametrize("bad", [-1, 257, 1.5])

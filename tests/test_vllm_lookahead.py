@@ -2,7 +2,10 @@
 tiny Gemma 3n of test_vllm through ``vllm.LLM`` on the CPU, its prompts
 longer than ``max_num_batched_tokens`` so that vLLM prefills them in
 chunks, with ``PLE_LOOKAHEAD_MIB`` on and off: the same bits, and the coming
-chunks' rows taken from prefetches.  Needs vLLM (``make test-vllm``)."""
+chunks' rows taken from prefetches.  Through a stand-in worker: forwards
+padded as CUDA graphs pad them hit within the bound, forwards of other ids
+leave nothing held, on the CPU and on CUDA (skipped without a GPU).  Needs
+vLLM (``make test-vllm``)."""
 
 from __future__ import annotations
 
@@ -149,15 +152,16 @@ def step(new=(), cached=(), finished=()):
         num_scheduled_tokens=scheduled, finished_req_ids=set(finished), preempted_req_ids=set())
 
 
-def stand_in_worker(model, embedding):
-    """A stand-in for vLLM's worker over ``model``, chunks of 4 tokens."""
+def stand_in_worker(model, embedding, chunk_tokens=4, device="cpu"):
+    """A stand-in for vLLM's worker over ``model``, chunks of ``chunk_tokens`` tokens."""
 
     class Worker:  # the lookahead keeps a weak reference to its worker
         vllm_config = SimpleNamespace(scheduler_config=SimpleNamespace(
-            max_num_scheduled_tokens=None, max_num_batched_tokens=4))
+            max_num_scheduled_tokens=None, max_num_batched_tokens=chunk_tokens))
         model_runner = SimpleNamespace(get_model=lambda: model)
 
     Worker.embedding = embedding
+    Worker.device = torch.device(device)
     return Worker()
 
 
@@ -262,3 +266,83 @@ def test_an_ngram_tables_coming_chunks_are_read_ahead(tmp_path, monkeypatch):
         stats = table.stats()
         assert (stats["prefetch_hits"], stats["prefetch_misses"]) == (2, 1)
         assert torch.equal(torch.cat(gathered).view(torch.int16), without.view(torch.int16))
+
+
+# A prompt through a stand-in worker over 4,096 rows of 1 KiB, in chunks of
+# WIDE_CHUNK tokens (256 KiB of rows) with PLE_LOOKAHEAD_MIB=1: four chunks
+# ahead at most.  The last chunk is partial.
+WIDE_ROWS, WIDE_COLS, WIDE_CHUNK = 4096, 256, 256
+WIDE_PROMPT = [(37 * i + 11) % WIDE_ROWS for i in range(16 * WIDE_CHUNK - 96)]
+BOUND = 1 << 20
+
+
+@pytest.fixture
+def wide_table(tmp_path, monkeypatch):
+    monkeypatch.setenv("PLE_LOOKAHEAD_MIB", "1")
+    path = write_arange_table(tmp_path / "wide.safetensors", WIDE_ROWS, WIDE_COLS)
+    with ple.Table.from_safetensors(path, "t") as table:
+        yield table
+
+
+def prefill(worker, prompt, forwarded_ids, device="cpu"):
+    """Runs the prompt's chunks through ``worker``, each forward gathering
+    ``forwarded_ids(start, stop)``; returns the rows of the chunks' own
+    tokens and what the table held after each step, then ends the request."""
+    table = worker.embedding.table
+    rows, held = [], []
+    for start in range(0, len(prompt), WIDE_CHUNK):
+        n = min(WIDE_CHUNK, len(prompt) - start)
+        schedule = (step(new=[("a", prompt, n)]) if start == 0
+                    else step(cached=[("a", start, n)]))
+        ids = torch.tensor(forwarded_ids(start, start + n), device=device)
+        rows.append(lookahead.run_step(worker, schedule, lambda _: worker.embedding(ids))[:n])
+        held.append(table.prefetched_bytes())
+    lookahead.run_step(worker, step(finished=["a"]), lambda _: None)
+    return torch.cat(rows).cpu(), held
+
+
+class GraphPadding:
+    """The ids a CUDA graph's forward gathers: the step's ids, then what the
+    runner's persistent buffer holds after them, up to the next of the
+    graph sizes (vLLM pads a step's tokens so)."""
+
+    SIZES = (64, 128, 192, 320, 512)
+
+    def __init__(self, prompt):
+        self.prompt = prompt
+        self.buffer = [0] * self.SIZES[-1]
+
+    def __call__(self, start, stop):
+        n = stop - start
+        self.buffer[:n] = self.prompt[start:stop]
+        return self.buffer[:next(size for size in self.SIZES if size >= n)]
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU"))])
+def test_forwards_padded_as_cuda_graphs_pad_them_hit_within_the_bound(wide_table, device):
+    """Each chunk's gather, padded, takes the rows read ahead for it (all
+    but the first, which finds the others pending); the table never holds
+    more than the bound, and nothing once the request has finished."""
+    embedding = DiskEmbedding(wide_table)
+    worker = stand_in_worker(torch.nn.Sequential(embedding), embedding, WIDE_CHUNK, device)
+    rows, held = prefill(worker, WIDE_PROMPT, GraphPadding(WIDE_PROMPT), device)
+    assert torch.equal(rows[:, 0], torch.tensor(WIDE_PROMPT, dtype=torch.float32) * WIDE_COLS)
+    stats = wide_table.stats()
+    chunks = -(-len(WIDE_PROMPT) // WIDE_CHUNK)
+    assert (stats["prefetch_hits"], stats["prefetch_misses"]) == (chunks - 1, 1)
+    assert max(held) <= BOUND
+    assert wide_table.prefetched_bytes() == 0
+
+
+def test_forwards_of_other_ids_leave_nothing_held(wide_table):
+    """Forwards of the chunks' sizes but other ids: the first read ahead
+    leaves its rows untaken, what was read ahead is dropped and the request
+    is read ahead no more."""
+    embedding = DiskEmbedding(wide_table)
+    worker = stand_in_worker(torch.nn.Sequential(embedding), embedding, WIDE_CHUNK)
+    other = [(i + 1) % WIDE_ROWS for i in WIDE_PROMPT]
+    rows, held = prefill(worker, WIDE_PROMPT, lambda start, stop: other[start:stop])
+    assert torch.equal(rows[:, 0], torch.tensor(other, dtype=torch.float32) * WIDE_COLS)
+    assert held[0] == BOUND and held[1:] == [0] * (len(held) - 1)
+    assert wide_table.stats()["prefetch_hits"] == 0

@@ -12,13 +12,19 @@ modules' owners compute:
 - an n-gram table (``Qwen4ExpTextNGramEmbedding.ngram_embedding``): the
   owner's hashed n-gram ids ``[batch, length, heads]``, by
   ``ple.layers.NGramHashing`` with the owner's own constants (its buffers),
-  a new request's history being all EOS as in the owner's first forward;
+  a new request's history being all EOS as in the owner's first forward.
+  The tokens hashed are those Qwen4Exp's text model hands its PLE layers: in
+  a chunk of more than one token, those that the attention mask masks
+  (padding) are EOS (its linear-attention mask); transformers makes no such
+  mask for a chunk of one token, whose token is hashed as it is;
 - any other table (Gemma 3n's ``embed_tokens_per_layer``, a token
-  embedding): the token ids, those outside the table taken as 0 as Gemma 3n
-  does for its per-layer inputs.
+  embedding): the token ids, padding included, those outside the table
+  taken as 0 as Gemma 3n does for its per-layer inputs.
 
-A forward whose ids differ from the plan reads its own rows (the bytes are
-right either way), and a plan ends at the first forward of another size.
+The attention mask is the one ``generate`` is given (``attention_mask=``);
+without one, every token counts as attended.  A forward whose ids differ
+from the plan reads its own rows and ends the plan, as does a forward of
+another size (the bytes are right either way; ``ple.layers.lookahead``).
 """
 
 from __future__ import annotations
@@ -40,20 +46,22 @@ def prefill_chunk_size(model: nn.Module, kwargs: dict) -> int | None:
     return getattr(config, "prefill_chunk_size", None)
 
 
-def start(model: nn.Module, prompt: torch.Tensor, chunk_size: int, max_bytes: int
-          ) -> list[DiskEmbedding]:
+def start(model: nn.Module, prompt: torch.Tensor, chunk_size: int, max_bytes: int,
+          attention_mask: torch.Tensor | None = None) -> list[DiskEmbedding]:
     """Gives each offloaded module of ``model`` the plan of a prefill of
-    ``prompt`` (``[batch, length]`` token ids) in chunks of ``chunk_size``;
-    returns the modules that look ahead."""
+    ``prompt`` (``[batch, length]`` token ids, ``attention_mask`` as
+    ``generate`` takes it) in chunks of ``chunk_size``; returns the modules
+    that look ahead."""
     prompt = prompt.to("cpu", torch.int64)
     if prompt.dim() != 2 or prompt.shape[1] <= chunk_size:
         return []  # one chunk: its forward reads its rows itself, nothing to overlap
+    attended = _attended(prompt, attention_mask, chunk_size)
     planned = []
     try:
         for owner in model.modules():
             for child in owner.children():
                 if isinstance(child, DiskEmbedding):
-                    ids, dim = _prompt_ids(owner, child, prompt)
+                    ids, dim = _prompt_ids(owner, child, prompt, attended)
                     child.lookahead(ids, chunk_size, max_bytes, dim=dim)
                     planned.append(child)
     except BaseException:
@@ -68,11 +76,31 @@ def end(modules: list[DiskEmbedding]) -> None:
         module.end_lookahead()
 
 
-def _prompt_ids(owner: nn.Module, module: DiskEmbedding, prompt: torch.Tensor
-                ) -> tuple[torch.Tensor, int]:
-    """The ids ``module`` gathers for ``prompt``, and their length dimension."""
+def _attended(prompt: torch.Tensor, attention_mask: torch.Tensor | None, chunk_size: int
+              ) -> torch.Tensor | None:
+    """Which tokens of ``prompt`` the model's linear-attention mask keeps as
+    they are, chunk by chunk (None: all): transformers'
+    ``create_recurrent_attention_mask`` gives a 2-D ``attention_mask``'s
+    columns of the chunk, except for a chunk of one token."""
+    if attention_mask is None or attention_mask.dim() != 2 or attention_mask.shape != prompt.shape:
+        return None
+    attended = attention_mask.to("cpu").bool()
+    length = prompt.shape[1]
+    if length % chunk_size == 1:
+        attended[:, -1] = True
+    if chunk_size == 1:
+        attended[:] = True
+    return attended
+
+
+def _prompt_ids(owner: nn.Module, module: DiskEmbedding, prompt: torch.Tensor,
+                attended: torch.Tensor | None) -> tuple[torch.Tensor, int]:
+    """The ids ``module`` gathers for ``prompt`` (its tokens ``attended``, or
+    all of them: None), and their length dimension."""
     if getattr(owner, "ngram_embedding", None) is module:
         batch, length = prompt.shape
+        if attended is not None:
+            prompt = torch.where(attended, prompt, owner.eos_token_id)
         seq_ids = torch.arange(batch).repeat_interleave(length)
         ids = _hashing(owner).row_ids(prompt.reshape(-1), seq_ids)
         return ids.view(batch, length, -1), 1

@@ -254,7 +254,8 @@ def _give_generate(model_class: type) -> None:
         chunk_size = prefill_lookahead.prefill_chunk_size(self, kwargs)
         planned = []
         if lookahead_bytes and chunk_size and isinstance(prompt, torch.Tensor):
-            planned = prefill_lookahead.start(self, prompt, chunk_size, lookahead_bytes)
+            planned = prefill_lookahead.start(self, prompt, chunk_size, lookahead_bytes,
+                                              kwargs.get("attention_mask"))
         try:
             return generate(self, inputs, *args, **kwargs)
         finally:

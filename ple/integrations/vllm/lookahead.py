@@ -12,14 +12,19 @@ offloaded module will gather for the request's coming chunks, at most
 ``PLE_LOOKAHEAD_MIB`` of rows ahead per table, so that each chunk's gather
 takes its rows from the prefetch instead of reading them.
 
-A prefetch serves only a gather of exactly its ids, and a forward gathers
-the whole batch at once: the chunks are read ahead only while the worker
-holds one request (a lone prefill, whose next forward is its next chunk
-alone, of ``min(tokens left, max_num_scheduled_tokens)`` tokens as vLLM's
-scheduler cuts it).  A step that forwards anything else (another request
-joined the batch, a chunk cut otherwise) drops what was read ahead, and its
-forward reads its own rows; so do the forwards of batched requests.  The
-bytes are right either way.
+A prefetch serves a gather of its ids or of ids that begin with them, and a
+forward gathers the whole batch at once, padded at its end where a CUDA
+graph pads it: the chunks are read ahead only while the worker holds one
+request (a lone prefill, whose next forward is its next chunk alone, of
+``min(tokens left, max_num_scheduled_tokens)`` tokens as vLLM's scheduler
+cuts it).  A step that forwards anything else (another request joined the
+batch, a chunk cut otherwise) drops what was read ahead, and its forward
+reads its own rows; so do the forwards of batched requests.  A forward that
+leaves its chunk's rows untaken (ids that the lookahead did not foresee)
+drops what was read ahead too, and the request is read ahead no more.  On
+each table, the rows read ahead and not yet taken, as the table counts them
+(``ple.layers.lookahead.ReadAhead``), stay within the bound whatever the
+forwards do.  The bytes are right either way.
 
 The ids are those the modules gather: the token ids for a ``DiskEmbedding``
 (Gemma 3n's ``embed_tokens_per_layer``), those outside the table taken as 0
@@ -44,7 +49,9 @@ from torch import nn
 
 from ple.integrations.prefill_lookahead import gathered_token_ids
 from ple.layers.disk_embedding import DiskEmbedding
+from ple.layers.lookahead import ReadAhead
 from ple.layers.ngram_embedding import NGramEmbedding
+from ple.layers.parallel import prefetch
 
 from . import settings
 from .checkpoint import logger
@@ -54,34 +61,39 @@ __all__ = ["PrefillLookahead", "install", "run_step"]
 
 @dataclass
 class Prompt:
-    """A request's prompt, how far its prefill has been scheduled, and the
-    chunks ``(start, stop)`` whose rows are read ahead, in order."""
+    """A request's prompt, how far its prefill has been scheduled, the
+    chunks ``(start, stop)`` whose rows are read ahead, in order, and
+    whether a forward missed them."""
     token_ids: torch.Tensor  # CPU int64
     scheduled: int
     read_ahead: deque[tuple[int, int]] = field(default_factory=deque)
+    missed: bool = False
 
 
 class PrefillLookahead:
     """The lookahead of one worker's model: its offloaded modules, the
-    requests the worker holds and the prompts of those given by token ids.
-    ``chunk_tokens``: the most tokens vLLM schedules in a step."""
+    requests the worker holds and the prompts of those given by token ids,
+    and what is read ahead on each table.  ``chunk_tokens``: the most tokens
+    vLLM schedules in a step; ``device``: the model's."""
 
-    def __init__(self, modules: list[nn.Module], max_bytes: int, chunk_tokens: int):
+    def __init__(self, modules: list[nn.Module], max_bytes: int, chunk_tokens: int,
+                 device: torch.device):
         self.modules = modules
         self.max_bytes = max_bytes
         self.chunk_tokens = chunk_tokens
+        self.device = device
         self.held: set[str] = set()
         self.prompts: dict[str, Prompt] = {}
-        # The most bytes of rows one token's ids take in a table.
-        self.token_bytes = max(_ids_per_token(m) * m.table.row_bytes for m in modules)
-        self._prefetched = False  # since the last drop
+        self.tables = list({id(m.table): m.table for m in modules}.values())
+        self.ahead = self._new_read_ahead()
+        self._taking: Prompt | None = None  # the prompt whose next chunk this step forwards
 
     @classmethod
-    def of_model(cls, model: nn.Module, max_bytes: int, chunk_tokens: int
-                 ) -> PrefillLookahead | None:
+    def of_model(cls, model: nn.Module, max_bytes: int, chunk_tokens: int,
+                 device: torch.device) -> PrefillLookahead | None:
         """The lookahead of ``model``'s offloaded modules; None without any."""
         modules = [m for m in model.modules() if isinstance(m, (DiskEmbedding, NGramEmbedding))]
-        return cls(modules, max_bytes, chunk_tokens) if modules else None
+        return cls(modules, max_bytes, chunk_tokens, device) if modules else None
 
     def before_step(self, scheduler_output) -> None:
         """Takes the step's schedule: forgets the requests that ended, keeps
@@ -110,7 +122,8 @@ class PrefillLookahead:
         if prompt is not None and prompt.read_ahead and \
                 prompt.read_ahead[0] == (prompt.scheduled, prompt.scheduled + n):
             prompt.read_ahead.popleft()  # this forward takes it
-        elif self._prefetched:
+            self._taking = prompt
+        elif any(p.read_ahead for p in self.prompts.values()):
             self._drop()
         for prompt, n in forwarded:
             if prompt is not None:
@@ -119,9 +132,16 @@ class PrefillLookahead:
             self._read_ahead(lone)
 
     def after_step(self) -> None:
-        """Once nothing should be left read ahead, drops what is: the
-        prefetches of a forward whose ids were not the ones expected."""
-        if self._prefetched and not any(p.read_ahead for p in self.prompts.values()):
+        """The step's forward has enqueued its gathers: on the CPU they have
+        run.  What the chunk it was to take left untaken is dropped, and so
+        is everything read ahead, the request being read ahead no more."""
+        taking, self._taking = self._taking, None
+        if taking is not None:
+            for ahead in self.ahead.values():
+                ahead.forwarded(self.device)
+        if any(ahead.missed for ahead in self.ahead.values()):
+            if taking is not None:
+                taking.missed = True
             self._drop()
 
     def close(self) -> None:
@@ -132,43 +152,56 @@ class PrefillLookahead:
 
     def _read_ahead(self, prompt: Prompt) -> None:
         """Prefetches the prompt's next chunks while their rows fit in
-        max_bytes (always one)."""
+        max_bytes on every table (always one)."""
         length = prompt.token_ids.numel()
         start = prompt.read_ahead[-1][1] if prompt.read_ahead else prompt.scheduled
-        while start < length:
+        while start < length and not prompt.missed:
             stop = min(length, start + self.chunk_tokens)
-            ahead = sum(b - a for a, b in prompt.read_ahead) + stop - start
-            if prompt.read_ahead and ahead * self.token_bytes > self.max_bytes:
-                return
+            on_table = {id(table): 0 for table in self.tables}
             for module in self.modules:
-                _prefetch(module, prompt.token_ids, start, stop)
+                on_table[id(module.table)] += (stop - start) * _ids_per_token(module) * \
+                    module.table.row_bytes
+            if not all(ahead.room_for(on_table[key]) for key, ahead in self.ahead.items()):
+                return
+            tickets = {key: [] for key in self.ahead}
+            for module in self.modules:
+                tickets[id(module.table)].append(
+                    _prefetch(module, prompt.token_ids, start, stop, self.ahead[id(module.table)].owner))
+            for key, ahead in self.ahead.items():
+                ahead.add(tickets[key])
             prompt.read_ahead.append((start, stop))
-            self._prefetched = True
             start = stop
 
     def _drop(self) -> None:
+        """Drops what was read ahead: when it returns, none of it is read."""
         for prompt in self.prompts.values():
             prompt.read_ahead.clear()
-        for table in {id(m.table): m.table for m in self.modules}.values():
-            table.drop_prefetches()
-        self._prefetched = False
+        self._taking = None
+        for ahead in self.ahead.values():
+            ahead.end()
+        self.ahead = self._new_read_ahead()
+
+    def _new_read_ahead(self) -> dict[int, ReadAhead]:
+        return {id(table): ReadAhead(table, self.max_bytes) for table in self.tables}
 
 
 def _ids_per_token(module: nn.Module) -> int:
     return module.hashing.heads if isinstance(module, NGramEmbedding) else 1
 
 
-def _prefetch(module: nn.Module, token_ids: torch.Tensor, start: int, stop: int) -> None:
-    """Prefetches the ids ``module`` gathers for the prompt's tokens
-    ``[start, stop)`` forwarded alone."""
+def _prefetch(module: nn.Module, token_ids: torch.Tensor, start: int, stop: int,
+              owner: int) -> int:
+    """Prefetches for ``owner`` the ids ``module`` gathers for the prompt's
+    tokens ``[start, stop)`` forwarded alone; returns the prefetch's ticket."""
     chunk = token_ids[start:stop]
     if isinstance(module, NGramEmbedding):
         history = module.hashing.context_size
         before = token_ids[max(0, start - history):start]
         eos = torch.full((history - before.numel(),), module.hashing.eos_id, dtype=torch.int64)
-        module.prefetch(chunk, None, torch.cat([eos, before]).unsqueeze(0))
+        ids = module.row_ids(chunk, None, torch.cat([eos, before]).unsqueeze(0))
     else:
-        module.prefetch(gathered_token_ids(module, chunk))
+        ids = gathered_token_ids(module, chunk)
+    return prefetch(module.table, ids, module.split, owner)
 
 
 # Each worker's lookahead (None: its model has no offloaded table, or
@@ -197,8 +230,6 @@ def run_step(worker, scheduler_output, execute_model):
     """``execute_model(scheduler_output)`` of ``worker`` with the lookahead
     of its model, read from the settings at its first step (an engine built
     later in the process reads them anew)."""
-    if worker not in _lookaheads:
-        settings()  # a bad setting stops the engine here, as at load, outside the guard
     lookahead = _guarded(worker, _lookahead_of, worker)
     if lookahead is not None:
         _guarded(worker, lookahead.before_step, scheduler_output)
@@ -218,7 +249,7 @@ def _lookahead_of(worker) -> PrefillLookahead | None:
         scheduler = worker.vllm_config.scheduler_config
         chunk_tokens = scheduler.max_num_scheduled_tokens or scheduler.max_num_batched_tokens
         lookahead = PrefillLookahead.of_model(worker.model_runner.get_model(), mib << 20,
-                                              chunk_tokens)
+                                              chunk_tokens, worker.device)
     _lookaheads[worker] = lookahead
     return lookahead
 
