@@ -36,6 +36,9 @@ namespace ple {
     "gathers that found pending prefetches of other ids only, or whose prefetch failed")        \
   X(row_cache_hits, "disk-tier ids served by the row cache")                                    \
   X(row_cache_misses, "disk-tier ids the row cache did not hold, read from the files (0 while it is off)") \
+  X(prefetch_pinned_rows,                                                                       \
+    "rows of prefetches that the row cache held for them, pinned until taken, rather than in a " \
+    "buffer of their own (counted when read ahead)")                                            \
   X(direct_reads,                                                                               \
     "O_DIRECT reads of io=\"direct\" gathers (each a run of adjacent distinct blocks, at most "  \
     "64 KiB)")                                                                                  \

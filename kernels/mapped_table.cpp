@@ -63,9 +63,8 @@ MappedTable::MappedTable(const std::vector<std::string>& paths,
                          int64_t row_bytes)
     : row_bytes_(row_bytes),
       prefetch_(row_bytes, [this](const std::vector<int64_t>& ids, ResidentRange resident,
-                                  uint8_t* out, Interruption& stop) {
-        gather_rows(*this, ids.data(), /*ids_are_int64=*/true, ids.size(), out, resident,
-                    /*use_row_cache=*/true, stop);
+                                  PinnedRows& into, Interruption& stop) {
+        prefetch_rows(*this, ids, resident, into, stop);
       }) {
   if (shard_file.empty() || shard_file.size() != shard_offset.size() ||
       shard_file.size() != shard_rows.size()) {

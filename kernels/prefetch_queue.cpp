@@ -135,9 +135,8 @@ void PrefetchQueue::run() {
     lock.unlock();
     std::exception_ptr error;
     try {
-      next->rows.resize(next->ids.size() * row_bytes_);
       Interruption stop(&next->cancel);
-      gather_(next->ids, next->resident, next->rows.data(), stop);
+      gather_(next->ids, next->resident, next->rows, stop);
     } catch (...) {
       error = std::current_exception();
     }
@@ -145,8 +144,8 @@ void PrefetchQueue::run() {
     next->error = error;
     next->done = true;
     running_.reset();
-    if (std::find(pending_.begin(), pending_.end(), next) == pending_.end()) {
-      next->rows = {};  // dropped while it ran: nobody takes its rows
+    if (error || std::find(pending_.begin(), pending_.end(), next) == pending_.end()) {
+      next->rows.release();  // failed, or dropped while it ran: nobody takes its rows
     }
     changed_.notify_all();
   }
@@ -191,8 +190,9 @@ PrefetchQueue::Taken PrefetchQueue::take(const void* ids, bool ids_are_int64, in
   }
   pending_.erase(std::find(pending_.begin(), pending_.end(), request));
   lock.unlock();
-  if (request->error) return Taken::kMissed;  // the caller's own gather raises the error
-  std::memcpy(out, request->rows.data(), request->rows.size());
+  // The caller's own gather raises the error, or reads rows whose pins the
+  // row cache lost (configured or cleared meanwhile).
+  if (request->error || !request->rows.take(out)) return Taken::kMissed;
   rows_taken = static_cast<int64_t>(request->ids.size());
   return Taken::kHit;
 }

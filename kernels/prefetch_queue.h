@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "interrupt.h"
+#include "row_cache.h"
 #include "row_gather.h"
 
 namespace ple {
@@ -32,7 +33,7 @@ struct PrefetchRequest {
   std::vector<int64_t> ids;
   ResidentRange resident;
   uint64_t owner = 0, ticket = 0;
-  std::vector<uint8_t> rows;  // filled by the prefetch thread
+  PinnedRows rows;  // filled by the prefetch thread
   bool started = false, done = false;
   bool taken = false;  // a gather waits for it
   std::atomic<bool> cancel{false};  // stops its gather: dropped, or the queue shut down
@@ -41,11 +42,11 @@ struct PrefetchRequest {
 
 class PrefetchQueue {
  public:
-  // Gathers `ids` into `out` (ids.size() rows of row_bytes), leaving the
-  // resident ones, on the prefetch thread; `stop` is cancelled when the
-  // prefetch is dropped or the queue shut down.
+  // Gathers `ids` into `into` (prefetch_rows: pinned in the row cache, or
+  // in its own buffer), leaving the resident ones, on the prefetch thread;
+  // `stop` is cancelled when the prefetch is dropped or the queue shut down.
   using Gather = std::function<void(const std::vector<int64_t>& ids, ResidentRange resident,
-                                    uint8_t* out, Interruption& stop)>;
+                                    PinnedRows& into, Interruption& stop)>;
 
   // What take found.
   enum class Taken {

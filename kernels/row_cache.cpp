@@ -38,6 +38,7 @@ constexpr int kFirstIndexBits = 8;
 
 int64_t* ids_of(const LazyArray& slots) { return reinterpret_cast<int64_t*>(slots.data()); }
 uint32_t* entries_of(const LazyArray& index) { return reinterpret_cast<uint32_t*>(index.data()); }
+uint32_t* pins_of(const LazyArray& pins) { return reinterpret_cast<uint32_t*>(pins.data()); }
 
 }  // namespace
 
@@ -94,6 +95,9 @@ void RowCache::forget_rows() {
   arena_.discard();
   slot_ids_.discard();
   referenced_.discard();
+  pins_.discard();
+  pinned_slots_ = 0;
+  ++generation_;
   index_ = LazyArray();
   index_size_ = 0;
   index_bits_ = 0;
@@ -112,15 +116,19 @@ void RowCache::configure(uint64_t budget_bytes, int64_t row_bytes) {
   if (capacity == capacity_.load() && row_bytes == row_bytes_) return;
   // Everything that can fail comes first: a budget that cannot be had leaves
   // the cache as it was.  Nothing is touched: no page becomes resident here.
-  LazyArray arena, slot_ids, referenced;
+  LazyArray arena, slot_ids, referenced, pins;
   if (capacity > 0) {
     arena = LazyArray(static_cast<uint64_t>(capacity) * row_bytes);
     slot_ids = LazyArray(static_cast<uint64_t>(capacity) * sizeof(int64_t));
     referenced = LazyArray(static_cast<uint64_t>(capacity));
+    pins = LazyArray(static_cast<uint64_t>(capacity) * sizeof(uint32_t));
   }
   arena_.swap(arena);
   slot_ids_.swap(slot_ids);
   referenced_.swap(referenced);
+  pins_.swap(pins);
+  pinned_slots_ = 0;
+  ++generation_;
   row_bytes_ = row_bytes;
   index_ = LazyArray();
   index_size_ = 0;
@@ -158,7 +166,9 @@ void RowCache::insert(int64_t id, const uint8_t* row) {
     if (static_cast<uint64_t>(used_ + 1) * 2 > index_size_ && !grow_index()) return;
     slot = used_++;
   } else {
-    while (referenced[hand_]) {
+    // At most half the slots are pinned: within two turns the hand finds one.
+    const uint32_t* pins = pins_of(pins_);
+    while (referenced[hand_] || pins[hand_] != 0) {
       referenced[hand_] = 0;
       hand_ = (hand_ + 1) % capacity;
     }
@@ -170,6 +180,106 @@ void RowCache::insert(int64_t id, const uint8_t* row) {
   slot_ids[slot] = id;
   referenced[slot] = 0;
   entries_of(index_)[find(id)] = static_cast<uint32_t>(slot + 1);
+}
+
+int64_t RowCache::pin_slot(int64_t slot) {
+  uint32_t& pins = pins_of(pins_)[slot];
+  if (pins == 0) {
+    if (pinned_slots_ >= capacity_.load() / 2) return -1;
+    ++pinned_slots_;
+  }
+  ++pins;
+  referenced_.data()[slot] = 1;
+  return slot;
+}
+
+int64_t RowCache::pin(int64_t id, uint64_t generation) {
+  if (generation != generation_ || used_ == 0) return -1;
+  const uint32_t entry = entries_of(index_)[find(id)];
+  return entry == 0 ? -1 : pin_slot(entry - 1);
+}
+
+int64_t RowCache::insert_pinned(int64_t id, const uint8_t* row, uint64_t generation) {
+  if (generation != generation_) return -1;
+  insert(id, row);
+  return pin(id, generation);
+}
+
+bool RowCache::take_pinned(int64_t slot, uint64_t generation, uint8_t* out) {
+  if (generation != generation_) return false;
+  std::memcpy(out, arena_.data() + slot * row_bytes_, row_bytes_);
+  unpin(slot, generation);
+  return true;
+}
+
+void RowCache::unpin(int64_t slot, uint64_t generation) {
+  if (generation != generation_) return;
+  if (--pins_of(pins_)[slot] == 0) --pinned_slots_;
+}
+
+uint8_t* PinnedRows::start(RowCache* cache, int64_t n, int64_t row_bytes) {
+  release();
+  cache_ = cache;
+  if (cache != nullptr) {
+    std::lock_guard<std::mutex> lock(cache->mutex());
+    generation_ = cache->generation();
+  }
+  row_bytes_ = row_bytes;
+  where_.assign(n, kNotPinned);
+  buffer_.resize(static_cast<size_t>(n) * row_bytes);
+  return buffer_.data();
+}
+
+void PinnedRows::keep(const int64_t* ids, int64_t resident_begin, int64_t resident_end) {
+  int64_t kept = 0;
+  for (size_t position = 0; position < where_.size(); ++position) {
+    if (where_[position] != kNotPinned) continue;
+    if (ids[position] >= resident_begin && ids[position] < resident_end) {
+      where_[position] = kResident;
+      continue;
+    }
+    // Rows move down only, each to a place that no later row is read from.
+    std::memmove(buffer_.data() + kept * row_bytes_, buffer_.data() + position * row_bytes_,
+                 row_bytes_);
+    where_[position] = own(kept++);
+  }
+  buffer_.resize(static_cast<size_t>(kept) * row_bytes_);
+  buffer_.shrink_to_fit();
+}
+
+int64_t PinnedRows::pinned() const {
+  return std::count_if(where_.begin(), where_.end(), [](int64_t where) { return where >= 0; });
+}
+
+bool PinnedRows::take(uint8_t* out) {
+  bool whole = true;
+  {
+    std::unique_lock<std::mutex> lock;
+    if (cache_ != nullptr) lock = std::unique_lock<std::mutex>(cache_->mutex());
+    for (size_t position = 0; position < where_.size(); ++position) {
+      const int64_t where = where_[position];
+      uint8_t* row = out + position * row_bytes_;
+      if (where >= 0) {
+        whole &= cache_->take_pinned(where, generation_, row);
+      } else if (where != kResident) {
+        std::memcpy(row, buffer_.data() + (own(0) - where) * row_bytes_, row_bytes_);
+      }
+    }
+  }
+  where_ = {};
+  buffer_ = {};
+  return whole;
+}
+
+void PinnedRows::release() {
+  if (cache_ != nullptr) {
+    std::lock_guard<std::mutex> lock(cache_->mutex());
+    for (const int64_t slot : where_) {
+      if (slot >= 0) cache_->unpin(slot, generation_);
+    }
+  }
+  where_ = {};
+  buffer_ = {};
 }
 
 }  // namespace ple

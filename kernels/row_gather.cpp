@@ -729,16 +729,21 @@ int64_t disk_rows(const GatherScratch& scratch) {
 }
 
 // Serves the rows the row cache holds and drops them from the parts; one
-// lock for all of them.
+// lock for all of them.  With `pins` (a prefetch's), a row the cache holds
+// is pinned there rather than copied, where the pins' bound allows.
 void take_cached(RowCache& cache, const void* ids, bool ids_are_int64, int64_t row_bytes,
-                 uint8_t* out, GatherScratch& scratch) {
+                 uint8_t* out, GatherScratch& scratch, PinnedRows* pins) {
   std::lock_guard<std::mutex> lock(cache.mutex());
   RowRef* rows = scratch.rows.data();
   for (Part& part : scratch.parts) {
     int64_t kept = part.begin;
     for (int64_t k = part.begin; k < part.end; ++k) {
       const RowRef row = rows[k];
-      if (!cache.lookup(id_at(ids, ids_are_int64, row.position), out + row.position * row_bytes)) {
+      const int64_t id = id_at(ids, ids_are_int64, row.position);
+      const int64_t slot = pins != nullptr ? cache.pin(id, pins->generation()) : -1;
+      if (slot >= 0) {
+        pins->hold(row.position, slot);
+      } else if (!cache.lookup(id, out + row.position * row_bytes)) {
         rows[kept++] = row;
       }
     }
@@ -746,13 +751,21 @@ void take_cached(RowCache& cache, const void* ids, bool ids_are_int64, int64_t r
   }
 }
 
+// Keeps the rows read in the row cache; with `pins`, pinned there.
 void keep_in_cache(RowCache& cache, const void* ids, bool ids_are_int64, int64_t row_bytes,
-                   const uint8_t* out, const GatherScratch& scratch) {
+                   const uint8_t* out, const GatherScratch& scratch, PinnedRows* pins) {
   std::lock_guard<std::mutex> lock(cache.mutex());
   const RowRef* rows = scratch.rows.data();
   for (const Part& part : scratch.parts) {
     for (int64_t k = part.begin; k < part.end; ++k) {
-      cache.insert(id_at(ids, ids_are_int64, rows[k].position), out + rows[k].position * row_bytes);
+      const int64_t id = id_at(ids, ids_are_int64, rows[k].position);
+      const uint8_t* row = out + rows[k].position * row_bytes;
+      if (pins == nullptr) {
+        cache.insert(id, row);
+        continue;
+      }
+      const int64_t slot = cache.insert_pinned(id, row, pins->generation());
+      if (slot >= 0) pins->hold(rows[k].position, slot);
     }
   }
 }
@@ -956,11 +969,10 @@ DirectCounters read_from_files(MappedTable& table, const GatherConfig& config,
                      [&](int64_t position) { return id_at(ids, ids_are_int64, position); }, stop);
 }
 
-}  // namespace
-
-void gather_rows(MappedTable& table, const void* ids, bool ids_are_int64, int64_t n,
+// gather_rows, and prefetch_rows with the prefetch's `pins`.
+void gather_into(MappedTable& table, const void* ids, bool ids_are_int64, int64_t n,
                  uint8_t* out, ResidentRange resident, bool use_row_cache, Interruption& stop,
-                 int64_t max_threads) {
+                 int64_t max_threads, PinnedRows* pins) {
   const auto t0 = std::chrono::steady_clock::now();
   GatherConfig config = table.config();
   if (max_threads > 0) config.threads = static_cast<int>(std::min<int64_t>(config.threads, max_threads));
@@ -982,7 +994,8 @@ void gather_rows(MappedTable& table, const void* ids, bool ids_are_int64, int64_
   const uint64_t rows = disk_rows(scratch);
   RowCache& cache = table.row_cache();
   const bool cached = use_row_cache && cache.enabled();  // once: the config may change meanwhile
-  if (cached) take_cached(cache, ids, ids_are_int64, row_bytes, out, scratch);
+  if (pins != nullptr && pins->cache() != &cache) pins = nullptr;  // every row in its buffer
+  if (cached) take_cached(cache, ids, ids_are_int64, row_bytes, out, scratch, pins);
   const uint64_t misses = disk_rows(scratch);
   DirectCounters direct;
   if (misses > 0 && config.io == Io::kDirect) {
@@ -993,7 +1006,7 @@ void gather_rows(MappedTable& table, const void* ids, bool ids_are_int64, int64_
   // A poll that asked to stop while the last rows were copied still stops
   // the gather: its caller raises what the poll found.
   stop.throw_if_stopped();
-  if (cached) keep_in_cache(cache, ids, ids_are_int64, row_bytes, out, scratch);
+  if (cached) keep_in_cache(cache, ids, ids_are_int64, row_bytes, out, scratch, pins);
 
   GatherCounters& counters = table.counters();
   uint64_t max_ahead = 0;
@@ -1017,6 +1030,26 @@ void gather_rows(MappedTable& table, const void* ids, bool ids_are_int64, int64_
   counters.gather_ns += std::chrono::duration_cast<std::chrono::nanoseconds>(
                             std::chrono::steady_clock::now() - t0)
                             .count();
+}
+
+}  // namespace
+
+void gather_rows(MappedTable& table, const void* ids, bool ids_are_int64, int64_t n,
+                 uint8_t* out, ResidentRange resident, bool use_row_cache, Interruption& stop,
+                 int64_t max_threads) {
+  gather_into(table, ids, ids_are_int64, n, out, resident, use_row_cache, stop, max_threads,
+              nullptr);
+}
+
+void prefetch_rows(MappedTable& table, const std::vector<int64_t>& ids, ResidentRange resident,
+                   PinnedRows& into, Interruption& stop) {
+  RowCache& cache = table.row_cache();
+  const auto n = static_cast<int64_t>(ids.size());
+  uint8_t* staged = into.start(cache.enabled() ? &cache : nullptr, n, table.row_bytes());
+  gather_into(table, ids.data(), /*ids_are_int64=*/true, n, staged, resident,
+              /*use_row_cache=*/true, stop, 0, &into);
+  into.keep(ids.data(), resident.begin, resident.end);
+  table.counters().prefetch_pinned_rows += into.pinned();
 }
 
 }  // namespace ple

@@ -14,6 +14,7 @@
 namespace ple {
 
 class MappedTable;
+class PinnedRows;
 
 // A row of a request: its address in the table's mapping (which says the
 // file and the offset) and its place in the request.
@@ -69,5 +70,12 @@ struct ResidentRange {
 void gather_rows(MappedTable& table, const void* ids, bool ids_are_int64, int64_t n,
                  uint8_t* out, ResidentRange resident, bool use_row_cache, Interruption& stop,
                  int64_t max_threads = 0);
+
+// A prefetch's gather of `ids` into `into`: as gather_rows with the row
+// cache, except that the rows the cache holds, or takes in once read, stay
+// there pinned until the gather that takes them (PinnedRows::take); the
+// others, and every row without a row cache, in `into`'s buffer.
+void prefetch_rows(MappedTable& table, const std::vector<int64_t>& ids, ResidentRange resident,
+                   PinnedRows& into, Interruption& stop);
 
 }  // namespace ple

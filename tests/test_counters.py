@@ -21,7 +21,7 @@ def table(tmp_path):
 
 def test_every_counter_has_a_meaning():
     assert ple.Table.COUNTERS is ple.COUNTERS
-    assert len(ple.COUNTERS) == 19
+    assert len(ple.COUNTERS) == 20
     for name, meaning in ple.COUNTERS.items():
         assert name.isidentifier() and name.islower()
         assert isinstance(meaning, str) and len(meaning) > 10 and "\n" not in meaning

@@ -1,7 +1,8 @@
 """GatherConfig(io="direct"): the rows no tier or row cache holds, read with
 O_DIRECT by each backend (io_uring, Linux AIO, pread threads), against the
 NumPy reference for the gather tests' geometries; the blocks it reads and the
-counters; the row cache as its cache; the backend's choice and fallback when
+counters; the row cache as its cache, and lookahead over it (its rows pinned there,
+under pressure too); the backend's choice and fallback when
 io_uring or AIO is refused; a truncated or replaced file; a filesystem that
 refuses O_DIRECT; threads, close, fork and Ctrl-C.
 
@@ -13,6 +14,7 @@ from __future__ import annotations
 import os
 import subprocess
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -232,6 +234,106 @@ def test_prefetch_and_host_tier_in_direct_mode(sharded, backend):
         assert table.stats()["host_tier_hits"] == int(((ids >= 50) & (ids < 150)).sum())
     finally:
         table.place()
+
+
+# Lookahead over the row cache -------------------------------------------------------
+
+LOOKAHEAD_ROWS = 40_000
+
+
+@pytest.fixture
+def lookahead_table(tmp_path) -> ByteTable:
+    return write_byte_table([tmp_path / "a.safetensors", tmp_path / "b.safetensors"],
+                            [LOOKAHEAD_ROWS // 2] * 2, 160, seed=5, pads=(13, 1001))
+
+
+def prompt_chunks(chunks: int, chunk: int, seed: int, frequent: float = 0.5) -> list[np.ndarray]:
+    """A prompt's chunks of ids that repeat within a chunk and from chunk to
+    chunk, as an n-gram layer's do: a share ``frequent`` of 300 frequent
+    ids, the others rare."""
+    rng = np.random.default_rng(seed)
+    common = rng.integers(0, LOOKAHEAD_ROWS, 300)
+    return [np.where(rng.random(chunk) < frequent, rng.choice(common, chunk),
+                     rng.integers(0, LOOKAHEAD_ROWS, chunk)) for _ in range(chunks)]
+
+
+def forward_with_lookahead(fx: ByteTable, chunks: list[np.ndarray], max_bytes: int) -> list[int]:
+    """The chunks through a DiskEmbedding that looks ahead over them, each
+    forward's rows equal to the NumPy reference; returns lookahead_bytes after
+    each forward."""
+    from ple.layers import DiskEmbedding
+
+    layer = DiskEmbedding(fx.table, torch.float32)
+    ids = torch.from_numpy(np.concatenate(chunks))
+    layer.lookahead(ids, len(chunks[0]), max_bytes)
+    ahead = []
+    for chunk in chunks:
+        got = layer(torch.from_numpy(chunk))
+        assert np.array_equal(got.numpy(), fx.reference[chunk].astype(np.float32))
+        ahead.append(layer.lookahead_bytes)
+    assert not layer.looking_ahead
+    return ahead
+
+
+def test_lookahead_over_direct_io_pins_its_rows_in_the_row_cache(lookahead_table, backend):
+    """Each chunk's rows are read ahead while the chunk before is gathered:
+    a prefetch hit for every chunk, the rows the cache holds not read again,
+    and every row read ahead held pinned in the row cache, not copied."""
+    fx = lookahead_table
+    fx.table.config = direct(row_cache_mib=4)
+    chunks = prompt_chunks(10, 500, seed=1)
+    fx.table.reset_stats()
+    ahead = forward_with_lookahead(fx, chunks, max_bytes=3 * 500 * 160)
+    s = fx.table.stats()
+    assert (s["prefetch_hits"], s["prefetch_misses"]) == (len(chunks), 0)
+    assert s["prefetch_pinned_rows"] == sum(map(len, chunks))
+    # Only the ids that no chunk before had are read (each of their positions
+    # a miss: a chunk's prefetch looks its rows up before it reads).
+    seen, new = set(), 0
+    for chunk in chunks:
+        new += int(np.isin(chunk, list(seen)).__invert__().sum()) if seen else len(chunk)
+        seen.update(chunk.tolist())
+    assert s["row_cache_misses"] == new and s["row_cache_hits"] == sum(map(len, chunks)) - new
+    assert max(ahead) <= 3 * 500 * 160
+
+
+def test_lookahead_under_pressure_from_a_row_cache_smaller_than_two_chunks(lookahead_table,
+                                                                           backend):
+    """A 1 MiB row cache (6,553 rows of 160 B) under chunks of 4,096 ids,
+    most of them rare, read up to four chunks ahead: at most half its rows
+    are pinned, so each chunk's rows overflow into their prefetch's buffer,
+    and the chunks gathered meanwhile evict no row a prefetch holds: every
+    chunk's rows are right, and the rows read ahead stay within the bound."""
+    fx = lookahead_table
+    fx.table.config = direct(row_cache_mib=1)
+    chunks = prompt_chunks(8, 4096, seed=2, frequent=0.1)
+    max_bytes = 4 * 4096 * 160
+    fx.table.reset_stats()
+    ahead = forward_with_lookahead(fx, chunks, max_bytes)
+    s = fx.table.stats()
+    assert (s["prefetch_hits"], s["prefetch_misses"]) == (len(chunks), 0)
+    assert 0 < s["prefetch_pinned_rows"] < sum(map(len, chunks))
+    assert max(ahead) <= max_bytes and fx.table.prefetched_bytes() == 0
+
+
+def test_a_prefetch_whose_pins_the_row_cache_lost_is_read_again(lookahead_table):
+    """A row cache configured anew or emptied while a prefetch holds rows
+    pinned in it: the gather that wanted them reads them itself."""
+    fx = lookahead_table
+    ids = prompt_chunks(1, 2000, seed=3)[0]
+    for lose in (lambda: setattr(fx.table, "config", direct(row_cache_mib=2)),
+                 fx.table.drop_page_cache):
+        fx.table.config = direct(row_cache_mib=4)
+        fx.table.prefetch(torch.from_numpy(ids))
+        deadline = time.monotonic() + 10
+        while fx.table.stats()["prefetch_pinned_rows"] == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        lose()
+        fx.table.reset_stats()
+        assert np.array_equal(gather(fx, ids), fx.reference[ids])
+        s = fx.table.stats()
+        assert (s["prefetch_hits"], s["prefetch_misses"], s["rows"]) == (0, 1, len(ids))
+        fx.table.config = GatherConfig()
 
 
 # The backend ------------------------------------------------------------------------

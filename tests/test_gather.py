@@ -29,7 +29,7 @@ REQUEST = 2000
 COUNTER_KEYS = {
     "calls", "rows", "unique_pages", "advised_pages", "resident_pages", "evicted_before_copy",
     "max_advised_ahead_bytes", "bytes_copied", "major_faults", "minor_faults", "gather_ns",
-    "prefetch_hits", "prefetch_misses", "row_cache_hits", "row_cache_misses",
+    "prefetch_hits", "prefetch_misses", "row_cache_hits", "row_cache_misses", "prefetch_pinned_rows",
     "direct_reads", "direct_read_bytes", "device_tier_hits", "host_tier_hits",
 }
 
