@@ -255,6 +255,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   if (std::get_terminate() != &park_threads_ended_by_finalization) {
     terminate_before_ple = std::set_terminate(&park_threads_ended_by_finalization);
   }
+  m.def(
+      "set_poll_interval",
+      [](double seconds) {
+        if (!(seconds >= 0 && seconds <= 60)) throw std::invalid_argument("a poll interval is 0 to 60 s");
+        ple::set_poll_interval(std::chrono::duration_cast<std::chrono::nanoseconds>(
+            std::chrono::duration<double>(seconds)));
+      },
+      "How often a gather started on Python's main thread runs the signal handlers, in seconds "
+      "(0.05 by default; 0: at every check, which tests use)");
   m.def("open_table", &open_table, "Maps a table's shards; returns its handle");
   // Without the GIL: closing waits for the table's prefetch thread to stop.
   m.def("close_table", &ple::unregister_table, py::call_guard<py::gil_scoped_release>(),

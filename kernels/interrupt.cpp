@@ -8,7 +8,18 @@ namespace {
 
 thread_local PollFunction thread_poll = nullptr;
 
+std::atomic<int64_t> poll_interval_ns{
+    std::chrono::duration_cast<std::chrono::nanoseconds>(kPollInterval).count()};
+
 }  // namespace
+
+std::chrono::nanoseconds poll_interval() {
+  return std::chrono::nanoseconds(poll_interval_ns.load(std::memory_order_relaxed));
+}
+
+void set_poll_interval(std::chrono::nanoseconds interval) {
+  poll_interval_ns.store(interval.count(), std::memory_order_relaxed);
+}
 
 ScopedPoll::ScopedPoll(PollFunction poll) : previous_(thread_poll) { thread_poll = poll; }
 
@@ -18,7 +29,8 @@ Interruption::Interruption(const std::atomic<bool>* cancelled)
     : cancelled_(cancelled),
       poll_(thread_poll),
       owner_(std::this_thread::get_id()),
-      next_poll_(std::chrono::steady_clock::now() + kPollInterval) {}
+      interval_(poll_interval()),
+      next_poll_(std::chrono::steady_clock::now() + interval_) {}
 
 void Interruption::poll_if_due() {
   if (poll_ == nullptr || stopped_.load(std::memory_order_relaxed) ||
@@ -34,7 +46,7 @@ void Interruption::poll_if_due() {
     YieldedTurn yielded;
     if (poll_()) stopped_.store(true, std::memory_order_relaxed);
   }
-  next_poll_ = std::chrono::steady_clock::now() + kPollInterval;
+  next_poll_ = std::chrono::steady_clock::now() + interval_;
 }
 
 void Interruption::check() {

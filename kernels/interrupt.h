@@ -38,8 +38,16 @@ class ScopedPoll {
   PollFunction previous_;
 };
 
-// How often the thread that started a gather polls.
+// How often the thread that started a gather polls, by default: a poll takes
+// the GIL, which another Python thread may hold for a few ms.
 constexpr auto kPollInterval = std::chrono::milliseconds(50);
+
+// The poll interval of the gathers that start from now on (kPollInterval
+// until set).  0 polls at every check, so that a signal already pending when
+// a gather starts is handled at its first check, inside the gather: tests
+// make their case with it, whatever the machine's speed.
+std::chrono::nanoseconds poll_interval();
+void set_poll_interval(std::chrono::nanoseconds interval);
 
 // One gather's stop state, shared by its threads.
 class Interruption {
@@ -49,7 +57,8 @@ class Interruption {
   explicit Interruption(const std::atomic<bool>* cancelled = nullptr);
 
   // Throws Interrupted when the gather should stop; on the thread that made
-  // this object, polls first when kPollInterval has passed since the last poll.
+  // this object, polls first when the poll interval has passed since this
+  // object was made or last polled.
   void check();
   // Like check, but records the request to stop instead of throwing (for a
   // thread that waits for others and must not leave before they are done).
@@ -68,6 +77,7 @@ class Interruption {
   const std::atomic<bool>* cancelled_;
   PollFunction poll_;
   std::thread::id owner_;
+  std::chrono::nanoseconds interval_;
   std::chrono::steady_clock::time_point next_poll_;  // the owner's alone
   std::atomic<bool> stopped_{false};
 };

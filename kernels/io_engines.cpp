@@ -250,17 +250,15 @@ class Aio final : public IoEngine {
 class PreadPool final : public IoEngine {
  public:
   explicit PreadPool(int depth) : IoEngine(depth) {
-    for (int i = 0; i < depth; ++i) threads_.emplace_back([this] { work(); });
+    try {
+      for (int i = 0; i < depth; ++i) threads_.emplace_back([this] { work(); });
+    } catch (...) {
+      stop();  // those started: a std::thread destroyed joinable ends the process
+      throw;
+    }
   }
 
-  ~PreadPool() override {
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      stopping_ = true;
-    }
-    work_ready_.notify_all();
-    for (std::thread& thread : threads_) thread.join();
-  }
+  ~PreadPool() override { stop(); }
 
   void submit(const IoRead* reads, int count) override {
     {
@@ -281,6 +279,16 @@ class PreadPool final : public IoEngine {
   }
 
  private:
+  // Stops and joins the threads; each ends after the read it is doing.
+  void stop() {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      stopping_ = true;
+    }
+    work_ready_.notify_all();
+    for (std::thread& thread : threads_) thread.join();
+  }
+
   void work() {
     std::unique_lock<std::mutex> lock(mutex_);
     while (true) {

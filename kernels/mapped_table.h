@@ -140,6 +140,9 @@ class MappedTable {
   int64_t num_rows_ = 0;
   int64_t row_bytes_ = 0;
   uintptr_t mapped_begin_ = 0, mapped_end_ = 0;
+  // One set_config at a time, so that the row cache and config_ in force
+  // are always those of the same config (the last one set).
+  std::mutex configuring_;
   mutable std::mutex config_mutex_;
   GatherConfig config_;
   std::unique_ptr<DirectFiles> direct_files_;  // made by the first config with io "direct"

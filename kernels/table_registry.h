@@ -3,6 +3,8 @@
 // while it is being gathered from only unmaps it when that gather is done.
 // Unregistering shuts the table's prefetches down at once.  A forked child
 // inherits every table registered at the fork, usable as in the parent.
+// The process's exit closes none: tables still open stay so to its end,
+// their prefetch threads too (table_registry.cpp says why).
 #pragma once
 
 #include <cstdint>

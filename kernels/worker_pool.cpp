@@ -12,7 +12,6 @@
 #include <mutex>
 #include <system_error>
 #include <thread>
-#include <vector>
 
 namespace ple {
 
@@ -85,7 +84,7 @@ class WorkerPool {
     grow(count - 1);
     // Every worker wakes for every job, and those without a task spin too:
     // more spinning threads than CPUs would slow the ones with work.
-    spin_.store(static_cast<int>(threads_.size()) < cpus_, std::memory_order_relaxed);
+    spin_.store(workers_ < cpus_, std::memory_order_relaxed);
     task_ = &task;
     error_ = nullptr;
     unfinished_.store(count, std::memory_order_relaxed);
@@ -145,14 +144,17 @@ class WorkerPool {
     turn_changed_.notify_one();
   }
 
+  // The workers are detached at once: no std::thread of theirs is ever
+  // destroyed joinable, at the process's exit or before.  They live as long
+  // as the process, and so does the pool they wait on (pool() below).
   void grow(int workers) {
-    while (static_cast<int>(threads_.size()) < workers) {
+    while (workers_ < workers) {
       try {
-        threads_.emplace_back([this] { work(); });
-        threads_.back().detach();  // they live as long as the process
+        std::thread([this] { work(); }).detach();
       } catch (const std::system_error&) {
         return;  // fewer threads: the caller and the others take more tasks
       }
+      ++workers_;
     }
   }
 
@@ -207,7 +209,7 @@ class WorkerPool {
   bool busy_ = false, yielded_ = false;
   std::mutex mutex_;  // for the sleepers, and error_
   std::condition_variable wake_, done_;
-  std::vector<std::thread> threads_;
+  int workers_ = 0;  // started, all detached; changed by the turn's holder alone
   const std::function<void(int)>* task_ = nullptr;
   std::exception_ptr error_;
   std::atomic<uint64_t> job_{0};

@@ -68,6 +68,15 @@ def table_for_handle(handle: str) -> "Table":
     if not isinstance(handle, str):
         raise TypeError(f"ple: a table handle is a str (ple.Table.handle), not "
                         f"{type(handle).__name__} {handle!r}")
+    if "@" not in handle:  # every handle holds "@": a name, most likely the tensor's
+        with _registry_lock:
+            named = [h for h, t in _open_tables.items() if t.name == handle]
+        if named:
+            raise ValueError(f"ple: {handle!r} is a tensor name, not a table handle: pass the "
+                             f"table's handle, table.handle ({named[0]!r}), or call "
+                             f"ple.gather(table, ids)")
+        raise ValueError(f"ple: {handle!r} is not a table handle (\"<name>@<digest>\"): pass an "
+                         f"open table's table.handle, or call ple.gather(table, ids)")
     name, same_files = _split_handle(handle)
     with _registry_lock:
         open_now = list(_open_tables.values())
@@ -83,6 +92,19 @@ def table_for_handle(handle: str) -> "Table":
                          f"files, or files that changed): {ELSEWHERE_HINT}")
     raise ValueError(f"ple table {name!r} (handle {handle}) is not open in this process: "
                      f"{ELSEWHERE_HINT}")
+
+
+def check_dense_ids(ids: torch.Tensor, caller: str) -> None:
+    """A TypeError saying what ``caller`` takes when ``ids`` is sparse or
+    nested: torch's own messages for those ("NestedTensorImpl doesn't
+    support sizes", "Could not run 'ple::disk_gather' with arguments from
+    the 'SparseCPU' backend") say nothing of it."""
+    takes = f"{caller} takes ids as a dense (strided) int32 or int64 tensor of any shape"
+    if ids.is_nested:
+        raise TypeError(f"{takes}, not a nested tensor: gather ids.values() (layout=torch.jagged) "
+                        f"or each of ids.unbind()")
+    if ids.layout != torch.strided:
+        raise TypeError(f"{takes}, not a {ids.layout} tensor: pass ids.to_dense()")
 
 
 def _split_handle(handle: str) -> tuple[str, str]:
@@ -231,6 +253,9 @@ class Table:
         self._retired_tiers: list[Tiers] = []
         # Guards the open state, the tiers and the count of calls using them.
         self._state_lock = threading.Lock()
+        # One config assignment at a time, from the native side's taking it to
+        # the record that `config` reads: the config read is the one in force.
+        self._config_lock = threading.Lock()
         self._calls = 0
         self._closing = False
         self._same_files = f"{name}@{_files_digest(files, self._layout)}"
@@ -355,15 +380,18 @@ class Table:
         """The settings of this table's gathers; assigning a ``GatherConfig``
         applies it from the next call (a TypeError for anything else; a
         row cache budget that cannot be had is a MemoryError, and the old
-        config stays)."""
-        return self._config
+        config stays).  Assignments from several threads take effect one
+        at a time, and a read returns the config in force."""
+        with self._config_lock:
+            return self._config
 
     @config.setter
     def config(self, config: GatherConfig) -> None:
         if not isinstance(config, GatherConfig):
             raise TypeError(f"config must be a ple.GatherConfig, not {type(config).__name__}")
-        self._push_config(config)
-        self._config = config  # only once the native side took it
+        with self._config_lock:
+            self._push_config(config)
+            self._config = config  # only once the native side took it
 
     def _push_config(self, c: GatherConfig) -> None:
         native.configure(self._native_handle(), *c._native_args())
@@ -476,6 +504,7 @@ class Table:
         """The raw rows ``ids`` as uint8 ``[*ids.shape, row_bytes]``, written
         into ``out`` when given.  Every id is checked before anything is written."""
         ids = torch.as_tensor(ids)
+        check_dense_ids(ids, "ple: gather_bytes")
         if ids.dtype not in (torch.int32, torch.int64):
             raise TypeError(f"ple: ids must be an int32 or int64 tensor, not {ids.dtype}")
         if ids.device.type != "cpu":

@@ -137,3 +137,87 @@ def test_the_native_side_refuses_what_gather_config_refuses(tmp_path):
             native.configure(table._native_handle(), "window", 0, 1, 0, 64, 0, "dax")
         table.config = GatherConfig()
         assert torch.equal(torch.ops.ple.disk_gather(torch.tensor([3]), table.handle), torch.zeros(1, 4))
+
+
+def test_the_config_read_back_is_the_one_in_force_after_racing_assignments(tmp_path):
+    """300 races of two assignments of different configs, beside 16
+    threads that gather (each gather on up to 16 threads: more native
+    threads than CPUs): after each race, `table.config` is the config in
+    force, as the row cache shows (it counts hits and misses only while one
+    is configured).  The gathers pause while it is looked at: a gather
+    counts by the config it started with."""
+    import random
+    import threading
+
+    f = tmp_path / "t.safetensors"
+    save_file({"t": torch.arange(20_000 * 16, dtype=torch.float32).reshape(20_000, 16)}, str(f))
+    cached = [GatherConfig("window", 1024, threads, row_cache_mib=1) for threads in (1, 4, 16)]
+    uncached = [GatherConfig("none", 0, threads) for threads in (2, 8, 16)]
+    ids = torch.arange(0, 20_000, 97)
+    rounds, gatherers = 300, 16
+    with ple.Table.from_safetensors(f) as table:
+        gate = threading.Condition()
+        state = {"paused": False, "stopped": False, "gathering": 0}
+        errors = []
+
+        def gather(seed):
+            rng = torch.Generator().manual_seed(seed)
+            try:
+                while True:
+                    with gate:
+                        gate.wait_for(lambda: not state["paused"] or state["stopped"])
+                        if state["stopped"]:
+                            return
+                        state["gathering"] += 1
+                    try:
+                        table.gather_bytes(torch.randint(0, 20_000, (4096,), generator=rng))
+                    finally:
+                        with gate:
+                            state["gathering"] -= 1
+                            gate.notify_all()
+            except BaseException as error:  # noqa: BLE001 - reported by the main thread
+                errors.append(error)
+
+        start, done = threading.Barrier(3), threading.Barrier(3)
+        picks: list[GatherConfig] = [cached[0], uncached[0]]
+
+        def assign(which):
+            for _ in range(rounds):
+                start.wait()
+                table.config = picks[which]
+                done.wait()
+
+        threads = [threading.Thread(target=gather, args=(k,), daemon=True) for k in range(gatherers)]
+        threads += [threading.Thread(target=assign, args=(k,), daemon=True) for k in (0, 1)]
+        for thread in threads:
+            thread.start()
+        rng = random.Random(0)
+        disagreements = []
+        try:
+            for race in range(rounds):
+                picks[:] = rng.sample([rng.choice(cached), rng.choice(uncached)], 2)
+                with gate:
+                    state["paused"] = False
+                    gate.notify_all()
+                start.wait(timeout=60)
+                done.wait(timeout=60)
+                with gate:
+                    state["paused"] = True
+                    assert gate.wait_for(lambda: state["gathering"] == 0, timeout=60)
+                read = table.config
+                before = table.stats()
+                table.gather_bytes(ids)
+                after = table.stats()
+                in_force = any(after[k] > before[k] for k in ("row_cache_hits", "row_cache_misses"))
+                if read not in picks or (read.row_cache_mib > 0) != in_force:
+                    disagreements.append((race, read, in_force))
+        finally:
+            with gate:
+                state["stopped"] = True
+                gate.notify_all()
+            start.abort()
+            done.abort()
+        for thread in threads:
+            thread.join(timeout=60)
+        assert not errors, errors[:3]
+        assert disagreements == []

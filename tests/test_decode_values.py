@@ -271,14 +271,24 @@ def test_bad_output_dtype(f32_table, i8_table, dtype):
             torch.ops.ple.disk_gather(torch.tensor([0]), table.handle, dtype)
 
 
-@pytest.mark.parametrize("handle", ["emb@0123456789abcdef", "emb", ""])
-def test_unknown_handle(handle):
+def test_unknown_handle():
+    handle = "emb@0123456789abcdef"
     with pytest.raises(ValueError, match=rf"\(handle {handle}\) is not open in this process"):
         torch.ops.ple.disk_gather(torch.tensor([0]), handle)
     with pytest.raises(ValueError, match=rf"\(handle {handle}\) is not open in this process"):
         torch.ops.ple.disk_gather(torch.tensor([0]), handle, torch.float16)
     with pytest.raises(ValueError, match=rf"\(handle {handle}\) is not open in this process"):
         torch.ops.ple.disk_gather_bytes(torch.tensor([0]), handle)
+
+
+@pytest.mark.parametrize("name", ["emb", ""])
+def test_a_name_that_is_no_handle(name):
+    expected = (f"ple: '{name}' is not a table handle (\"<name>@<digest>\"): pass an open "
+                "table's table.handle, or call ple.gather(table, ids)")
+    for call in (torch.ops.ple.disk_gather, torch.ops.ple.disk_gather_bytes):
+        with pytest.raises(ValueError) as raised:
+            call(torch.tensor([0]), name)
+        assert str(raised.value) == expected
 
 
 def test_output_is_new_and_writable(f32_table):

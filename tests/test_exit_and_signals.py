@@ -1,8 +1,11 @@
-"""A process that ends, or is told to, while threads gather: sys.exit with a
-daemon thread inside a gather and prefetches pending, and a SIGTERM handler
-that joins a gathering thread while the main thread gathers too.
+"""A process that ends, or is told to, while threads gather: sys.exit with
+daemon threads inside gathers and prefetches pending, and a SIGTERM handler
+that joins gathering threads while the main thread gathers too.
 
-Each case runs in a subprocess with a timeout (SIGKILL: a process whose
+Each case runs with one gathering thread and with 16, whose gathers run on
+16 threads each: more native threads than CPUs on any machine these tests
+run on, so that CI's two cores see the interleavings of a many-core machine
+too.  Each case runs in a subprocess with a timeout (SIGKILL: a process whose
 handler deadlocked would ignore the SIGTERM of a plain timeout)."""
 
 from __future__ import annotations
@@ -15,6 +18,9 @@ import pytest
 
 from test_process_safety import PRELUDE, write_rows
 
+# (threads gathering, threads each gather runs on, forked children that exit)
+LOADS = {"one thread": (1, 2, 10), "16 threads": (16, 16, 10)}
+
 
 @pytest.fixture(scope="module")
 def table_path(tmp_path_factory):
@@ -23,87 +29,178 @@ def table_path(tmp_path_factory):
     return path
 
 
-def run(body: str, path, timeout: float = 60) -> subprocess.CompletedProcess:
-    """PRELUDE + body in a fresh interpreter (argv[1] = path), killed and
-    failed when it has not ended in `timeout` seconds."""
-    script = PRELUDE + textwrap.dedent(body)
+def run(script: str, args: list[str], timeout: float = 120) -> subprocess.CompletedProcess:
+    """`script` in a fresh interpreter, killed and failed when it has not
+    ended in `timeout` seconds."""
     try:
-        return subprocess.run([sys.executable, "-c", script, str(path)], capture_output=True,
+        return subprocess.run([sys.executable, "-c", script, *args], capture_output=True,
                               text=True, timeout=timeout)
     except subprocess.TimeoutExpired as expired:
-        pytest.fail(f"hung: no end within {timeout} s\nstderr: {expired.stderr!r}")
+        pytest.fail(f"hung: no end within {timeout} s\nstdout: {expired.stdout!r}\n"
+                    f"stderr: {expired.stderr!r}")
 
 
-# The daemon thread gathers and prefetches in a loop, the way a server's
-# loader thread does, and leaves a prefetch pending that nobody takes.
+# Python's atexit runs its hooks last registered first.  This one, registered
+# before weakref's (which the finalize below registers, before torch makes
+# any), runs after every finalizer that is to run at exit, torch's undoing of
+# its operator libraries included, and keeps the interpreter up a while
+# longer, with the daemon threads gathering all the while.
+LATE_EXIT_HOOK = """
+import atexit, time, weakref
+atexit.register(time.sleep, 0.2)
+weakref.finalize(atexit, lambda: None)
+"""
+
+# Forked children (two at a time, so that on two cores each one's threads
+# contend with the other's too), then the process itself, each start threads
+# that gather and prefetch in a loop by every route, the way a server's
+# loader threads do, leave prefetches pending that nobody takes, and exit
+# with status 3 at a random moment once all of them gather.  A child's
+# stderr goes to a file of its own; the process prints what each child's
+# exit status and stderr were when they were not 3 and nothing.
 EXIT_WHILE_GATHERING = """
-t = ple.Table.from_safetensors(PATH, config=ple.GatherConfig("none", 0, 2))
-rng = np.random.default_rng(int(sys.argv[2]))
-started = threading.Event()
+import tempfile
 
-def loop():
-    while True:
-        ids = torch.from_numpy(rng.integers(0, t.num_rows, 200_000))
-        t.prefetch(ids)
-        t.prefetch(ids[:1000].clone())  # never taken: pending at exit
-        started.set()
-        t.gather_bytes(ids)
-        torch.ops.ple.disk_gather(ids, t.handle)
+THREADS, GATHER_THREADS, CHILDREN = (int(a) for a in sys.argv[2:5])
 
-threading.Thread(target=loop, daemon=True).start()
-started.wait()
-time.sleep(rng.uniform(0, 0.3))
-sys.exit(3)
+def gather_then_exit(seed):
+    t = ple.Table.from_safetensors(PATH, config=ple.GatherConfig("none", 0, GATHER_THREADS))
+    started = threading.Barrier(THREADS + 1)
+
+    def loop(rng):
+        first = True
+        while True:
+            ids = torch.from_numpy(rng.integers(0, t.num_rows, 200_000 // THREADS))
+            t.prefetch(ids)
+            t.prefetch(ids[:1000].clone())  # never taken: pending at exit
+            if first:
+                first = False
+                started.wait()
+            t.gather_bytes(ids)
+            torch.ops.ple.disk_gather(ids, t.handle)
+            ple.gather(t, ids[:1000])
+            t.config = t.config
+
+    for k in range(THREADS):
+        threading.Thread(target=loop, args=(np.random.default_rng([seed, k]),), daemon=True).start()
+    started.wait()
+    time.sleep(np.random.default_rng(seed).uniform(0, 0.3))
+    sys.exit(3)
+
+def fork_child(seed):
+    stderr = tempfile.TemporaryFile()
+    pid = os.fork()
+    if pid == 0:
+        os.dup2(stderr.fileno(), 2)
+        gather_then_exit(seed)  # raises SystemExit: the child ends with it
+    return seed, pid, stderr
+
+for first in range(0, CHILDREN, 2):
+    for seed, pid, stderr in [fork_child(seed) for seed in range(first, min(first + 2, CHILDREN))]:
+        status = wait_child(pid, 60)
+        stderr.seek(0)
+        said = stderr.read().decode(errors="replace")
+        if (status, said) != (3, ""):
+            print(f"child {seed}: exit status {status}, stderr {said[-3000:]!r}", flush=True)
+gather_then_exit(CHILDREN)
 """
 
 
-def test_sys_exit_while_a_daemon_thread_gathers_exits_with_its_status(table_path):
-    for run_number in range(10):
-        script = PRELUDE + textwrap.dedent(EXIT_WHILE_GATHERING)
-        try:
-            result = subprocess.run([sys.executable, "-c", script, str(table_path), str(run_number)],
-                                    capture_output=True, text=True, timeout=60)
-        except subprocess.TimeoutExpired as expired:
-            pytest.fail(f"run {run_number} hung\nstderr: {expired.stderr!r}")
-        assert "terminate called" not in result.stderr, (run_number, result.stderr[-3000:])
-        assert result.returncode == 3, (run_number, result.returncode, result.stderr[-3000:])
+@pytest.mark.parametrize("load", LOADS)
+def test_sys_exit_while_daemon_threads_gather_exits_with_its_status(table_path, load):
+    """No abort (a native thread destroyed joinable, a gather coming back to
+    a finalized interpreter) and no error of torch's (the operators undone
+    while the daemon threads still call them): every exit status is
+    sys.exit's, and stderr says nothing."""
+    threads, gather_threads, children = LOADS[load]
+    script = LATE_EXIT_HOOK + PRELUDE + textwrap.dedent(EXIT_WHILE_GATHERING)
+    result = run(script, [str(table_path), str(threads), str(gather_threads), str(children)])
+    assert (result.returncode, result.stdout, result.stderr) == (3, "", ""), (
+        result.returncode, result.stdout[-6000:], result.stderr[-3000:])
 
 
-def test_a_sigterm_handler_that_joins_a_gathering_thread_finishes(table_path):
+# The main thread gathers from `a` until a gather of it runs the SIGTERM
+# handler, which stops and joins the threads that gather from `b` meanwhile
+# (other tables, so that their gathers count apart; one worker pool for all).
+# The case is made only if the handler runs inside the main thread's gather,
+# while that gather holds its turn at the pool: there a handler that joins
+# threads whose gathers wait for that turn deadlocks unless the turn is
+# yielded.  Polls at every check make a signal that arrives inside a gather
+# run its handler there (by default a gather polls every 50 ms, and a short
+# one never); the watcher sends the signal only while the main thread has let
+# go of the GIL inside the gather.  A signal that still comes after the
+# gather (the main thread's last check passed before the watcher ran) is let
+# be, and the next gather gets another.
+SIGTERM_WHILE_GATHERING = """
+from ple.kernels.native import native
+
+THREADS, GATHER_THREADS = (int(a) for a in sys.argv[2:4])
+config = ple.GatherConfig("none", 0, GATHER_THREADS)
+a = ple.Table.from_safetensors(PATH, config=config)
+ids = torch.from_numpy(np.random.default_rng(0).integers(0, a.num_rows, 200_000))
+stop = threading.Event()
+gathers_after_stop = []
+
+def work(b):
+    while True:
+        check(ids, b.gather_bytes(ids))
+        if stop.is_set():
+            gathers_after_stop.append(1)
+            return
+
+workers = [threading.Thread(target=work, args=(ple.Table.from_safetensors(PATH, config=config),))
+           for _ in range(THREADS)]
+for worker in workers:
+    worker.start()
+
+# "gather": the main thread is between its call of native.gather and that
+# call's return; "counted": a's gathers that had ended when it started one.
+state = {"gather": False, "counted": 0, "attempt": 0, "sent": 0}
+
+def on_term(signum, frame):
+    if not (state["gather"] and a.stats()["calls"] == state["counted"]):
+        return  # after the gather: the next one gets another signal
+    stop.set()
+    for worker in workers:
+        worker.join()
+    print(f"joined inside gather {state['attempt']}; the workers gathered "
+          f"{len(gathers_after_stop)} times after the stop", flush=True)
+    sys.exit(7)
+
+def profile(frame, event, arg):
+    if arg is native.gather:
+        # The last thing done before the call: no handler runs in between.
+        state["gather"] = event == "c_call"
+
+def watch():
+    # Runs only while the main thread lets go of the GIL.
+    while True:
+        if state["gather"] and state["sent"] < state["attempt"]:
+            state["sent"] = state["attempt"]
+            os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0)
+
+signal.signal(signal.SIGTERM, on_term)
+native.set_poll_interval(0)
+threading.Thread(target=watch, daemon=True).start()
+for attempt in range(1, 51):
+    state["attempt"], state["counted"] = attempt, a.stats()["calls"]
+    sys.setprofile(profile)
+    rows = a.gather_bytes(ids)
+    sys.setprofile(None)
+    check(ids, rows)
+print("no signal came inside a gather in 50 gathers", flush=True)
+sys.exit(1)
+"""
+
+
+@pytest.mark.parametrize("load", LOADS)
+def test_a_sigterm_handler_that_joins_gathering_threads_finishes(table_path, load):
     """The main thread's gathers run Python's signal handlers (Ctrl-C); a
-    handler that joins another gathering thread must not wait for a gather
-    that waits for the main thread's."""
-    in_a_gather = []
-    for run_number in range(3):
-        result = run(f"""
-            t = ple.Table.from_safetensors(PATH, config=ple.GatherConfig("none", 0, 2))
-            ids = torch.from_numpy(np.random.default_rng(0).integers(0, t.num_rows, 1_000_000))
-            stop = threading.Event()
-            gathers = []
-
-            def work():
-                while not stop.is_set():
-                    check(ids, t.gather_bytes(ids))
-                    gathers.append(1)
-
-            worker = threading.Thread(target=work)
-            worker.start()
-            in_gather = []
-
-            def on_term(signum, frame):
-                in_gather.append(frame.f_code.co_name == "gather_bytes")
-                stop.set()
-                worker.join()
-                print("joined after", len(gathers), "gathers; in a gather:", in_gather[0], flush=True)
-                sys.exit(7)
-
-            signal.signal(signal.SIGTERM, on_term)
-            threading.Timer(0.3 + 0.1 * {run_number}, lambda: os.kill(os.getpid(), signal.SIGTERM)).start()
-            while True:
-                check(ids, t.gather_bytes(ids))
-        """, table_path, timeout=60)
-        assert result.returncode == 7, (run_number, result.returncode, result.stdout, result.stderr[-3000:])
-        assert "joined after" in result.stdout, (result.stdout, result.stderr[-3000:])
-        in_a_gather.append("in a gather: True" in result.stdout)
-    # Otherwise the case was not made: the signal came between gathers each time.
-    assert any(in_a_gather), in_a_gather
+    handler that joins other gathering threads must not wait for gathers
+    that wait for the main thread's."""
+    threads, gather_threads, _ = LOADS[load]
+    script = PRELUDE + textwrap.dedent(SIGTERM_WHILE_GATHERING)
+    result = run(script, [str(table_path), str(threads), str(gather_threads)])
+    assert result.returncode == 7, (result.returncode, result.stdout, result.stderr[-3000:])
+    assert "joined inside gather" in result.stdout, (result.stdout, result.stderr[-3000:])

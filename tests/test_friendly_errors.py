@@ -1,7 +1,9 @@
 """The common mistakes get errors that say what to do: a table where the
 operators take a handle, a GGUF file opened as safetensors, one shard of a
 family opened by name (it keeps the family's scale), a path that is not
-UTF-8; ple.FORMATS lists every format and ple.__version__ is the package's."""
+UTF-8, a tensor name where the operators take a handle, ids that are sparse
+or nested, a gather once Python is finalizing; ple.FORMATS lists every
+format and ple.__version__ is the package's."""
 
 from __future__ import annotations
 
@@ -40,6 +42,94 @@ def test_gather_names_what_is_not_a_table(table):
     with pytest.raises(TypeError, match=r"^ple.gather takes a ple.Table, not str \(the operators "
                                         r"take table.handle\)$"):
         ple.gather(opened.handle, [1])
+
+
+def test_the_operators_given_a_tensor_name_say_to_pass_the_handle(table):
+    opened, values = table
+    expected = (f"ple: 'w' is a tensor name, not a table handle: pass the table's handle, "
+                f"table.handle ({opened.handle!r}), or call ple.gather(table, ids)")
+    for call in (lambda: torch.ops.ple.disk_gather(torch.tensor([1]), "w"),
+                 lambda: torch.ops.ple.disk_gather_bytes(torch.tensor([1]), "w")):
+        with pytest.raises(ValueError) as raised:
+            call()
+        assert str(raised.value) == expected
+    with pytest.raises(ValueError) as raised:
+        torch.ops.ple.disk_gather(torch.tensor([1]), "v")
+    assert str(raised.value) == ("ple: 'v' is not a table handle (\"<name>@<digest>\"): pass an "
+                                 "open table's table.handle, or call ple.gather(table, ids)")
+    assert torch.equal(torch.ops.ple.disk_gather(torch.tensor([1]), opened.handle), values[[1]])
+
+
+DENSE = "takes ids as a dense (strided) int32 or int64 tensor of any shape, not "
+NESTED = "a nested tensor: gather ids.values() (layout=torch.jagged) or each of ids.unbind()"
+
+
+def nested(layout):
+    return torch.nested.nested_tensor([torch.tensor([1, 2]), torch.tensor([3])], layout=layout)
+
+
+@pytest.mark.parametrize("make, what", [
+    (lambda: torch.tensor([[0, 1], [2, 0]]).to_sparse(), "a torch.sparse_coo tensor: pass ids.to_dense()"),
+    (lambda: torch.tensor([[0, 1], [2, 0]]).to_sparse_csr(), "a torch.sparse_csr tensor: pass ids.to_dense()"),
+    (lambda: nested(torch.strided), NESTED),
+    (lambda: nested(torch.jagged), NESTED),
+], ids=["sparse_coo", "sparse_csr", "nested", "jagged"])
+@pytest.mark.filterwarnings("ignore")  # torch's warnings that sparse and nested are in beta
+def test_sparse_and_nested_ids_say_what_ple_takes(table, make, what):
+    """Not torch's "NestedTensorImpl doesn't support sizes" or "Could not run
+    'ple::disk_gather' with arguments from the 'SparseCPU' backend": every
+    way to a gather names the dense ids it takes, with or without autograd."""
+    opened, _ = table
+    ids = make()
+    calls = {
+        "ple.disk_gather": lambda: torch.ops.ple.disk_gather(ids, opened.handle),
+        "ple.disk_gather_bytes": lambda: torch.ops.ple.disk_gather_bytes(ids, opened.handle),
+        "ple.gather": lambda: ple.gather(opened, ids),
+        "ple: gather_bytes": lambda: opened.gather_bytes(ids),
+        "ple: prefetch": lambda: opened.prefetch(ids),
+        "ple's embedding layers": lambda: ple.layers.DiskEmbedding(opened)(ids),
+    }
+    for mode in (torch.enable_grad, torch.no_grad, torch.inference_mode):
+        for caller, call in calls.items():
+            if caller.startswith("ple.disk_gather") and mode is torch.inference_mode and ids.is_nested:
+                continue  # a jagged tensor there goes to its own dispatch, which ple cannot reach
+            with mode(), pytest.raises(TypeError) as raised:
+                call()
+            assert str(raised.value) == f"{caller} {DENSE}{what}", (mode, caller)
+
+
+def test_a_gather_while_python_finalizes_says_the_process_is_exiting(table, tmp_path):
+    """An object that gathers in its __del__ when the interpreter collects
+    it at exit: the gather is refused with a message saying why, not with
+    torch's errors of an operator library being undone."""
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent(f"""
+        import sys, torch, ple
+        t = ple.Table.from_safetensors({str(tmp_path)!r})
+        ids = torch.tensor([1, 2])
+
+        class GathersWhenCollected:
+            def __del__(self):
+                for call in (lambda: ple.gather(t, ids),
+                             lambda: torch.ops.ple.disk_gather(ids, t.handle)):
+                    try:
+                        call()
+                        print("gathered", flush=True)
+                    except RuntimeError as error:
+                        print(error, flush=True)
+
+        late = GathersWhenCollected()
+        late.cycle = late  # collected by the interpreter's last collections
+        del late
+    """)
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                            timeout=120)
+    exiting = ("ple: the process is exiting (Python is finalizing its modules): no gather runs "
+               "now; gather before the interpreter exits (an atexit handler still may)")
+    assert (result.returncode, result.stdout, result.stderr) == (0, f"{exiting}\n" * 2, "")
 
 
 def test_a_gguf_file_opened_as_safetensors_says_so(tmp_path):
