@@ -118,6 +118,7 @@ uint64_t MappedTable::prefetched_bytes(std::optional<uint64_t> owner) {
 }
 
 void MappedTable::lock_for_fork() {
+  configuring_.lock();
   prefetch_.lock_for_fork();
   row_cache_.mutex().lock();
   scratch_pool_.mutex().lock();
@@ -129,6 +130,7 @@ void MappedTable::unlock_after_fork(bool in_child) {
   scratch_pool_.mutex().unlock();
   row_cache_.mutex().unlock();
   prefetch_.unlock_after_fork(in_child);
+  configuring_.unlock();
 }
 
 void MappedTable::gather(const void* ids, bool ids_are_int64, int64_t n, uint8_t* out,
@@ -172,6 +174,7 @@ GatherConfig MappedTable::config() const {
 
 void MappedTable::set_config(const GatherConfig& config) {
   check_config(config);
+  std::lock_guard<std::mutex> one_at_a_time(configuring_);
   IoBackend backend = io_backend();
   if (config.io == Io::kDirect) {
     backend = choose_backend();
