@@ -3,8 +3,9 @@ prefill_chunk_size=N)`` of tiny random Qwen4Exp and Gemma 3n models served
 by ple gives the tokens and logits of transformers' own model and of ple
 without lookahead, bit for bit, for chunks of one token, a partial last
 chunk and one chunk, two requests with an EOS inside; each chunk after the
-first is a prefetch hit; nothing is read ahead after generate returns or
-raises; on CUDA too (skipped without a GPU).
+first is a prefetch hit, with direct I/O and a row cache too; nothing is
+read ahead after generate returns or raises; on CUDA too (skipped without a
+GPU).
 
 Batches of three padded requests (left, right, a mask with a hole), given
 with their attention mask: the plan foresees the ids each model gathers
@@ -22,6 +23,7 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("transformers.models.qwen4_exp", reason="transformers has no Qwen4Exp")
 
 from helpers import assert_same_bits, quiet_transformers  # noqa: E402, F401 (an autouse fixture)
+from ple import GatherConfig  # noqa: E402
 from ple.integrations.transformers import from_pretrained, tables  # noqa: E402
 from ple.layers import DiskEmbedding  # noqa: E402
 from test_transformers_integration import MODELS, checkpoints, prompt  # noqa: E402, F401 (fixture)
@@ -61,6 +63,26 @@ def test_generate_with_lookahead_equals_transformers(checkpoints, key, chunk_siz
         assert table.stats()["prefetch_hits"] == (chunks if chunks > 1 else 0), name
     assert all(table.stats()["prefetch_hits"] == 0 for table in tables(without).values())
     assert not any(module.looking_ahead for module in served_modules(served))
+
+
+@pytest.mark.parametrize("key", MODELS)
+def test_generate_with_lookahead_over_direct_io_and_a_row_cache(checkpoints, key):
+    """The tables read with O_DIRECT into a row cache: every chunk a hit, its
+    rows held pinned in the cache until taken, the bits of transformers'."""
+    model_class = MODELS[key][0]
+    reference = model_class.from_pretrained(checkpoints[key])
+    config = GatherConfig(io="direct", threads=1, row_cache_mib=4)
+    served = from_pretrained(model_class, checkpoints[key], gather_config=config)
+    ids = prompt(3, PROMPT_SHAPE)
+    want_tokens, want_logits = generate(reference, ids, 3)
+    tokens, logits = generate(served, ids, 3)
+    assert torch.equal(tokens, want_tokens)
+    assert_same_bits(logits, want_logits)
+    for name, table in tables(served).items():
+        stats = table.stats()
+        assert (stats["prefetch_hits"], stats["prefetch_misses"]) == (4, 0), name
+        assert stats["prefetch_pinned_rows"] > 0 and stats["direct_reads"] > 0, name
+        assert table.prefetched_bytes() == 0, name
 
 
 def test_nothing_is_read_ahead_after_generate_raises(checkpoints):

@@ -1,8 +1,8 @@
 """Lookahead under vLLM (ple.integrations.vllm.lookahead, docs/vllm.md): the
 tiny Gemma 3n of test_vllm through ``vllm.LLM`` on the CPU, its prompts
 longer than ``max_num_batched_tokens`` so that vLLM prefills them in
-chunks, with ``PLE_LOOKAHEAD_MIB`` on and off: the same bits, and the coming
-chunks' rows taken from prefetches.  Through a stand-in worker: forwards
+chunks, with ``PLE_LOOKAHEAD_MIB`` on and off, and on over direct I/O with a
+row cache: the same bits, and the coming chunks' rows taken from prefetches.  Through a stand-in worker: forwards
 padded as CUDA graphs pad them hit within the bound, forwards of other ids
 leave nothing held, on the CPU and on CUDA (skipped without a GPU).  Needs
 vLLM (``make test-vllm``)."""
@@ -101,6 +101,8 @@ def arms(gemma, tmp_path_factory) -> dict:
     return run_arms(gemma, [
         {"name": "off", "env": {"PLE_LOOKAHEAD_MIB": "0"}},
         {"name": "on", "env": {"PLE_LOOKAHEAD_MIB": "64"}},
+        {"name": "direct", "env": {"PLE_LOOKAHEAD_MIB": "64", "PLE_GATHER_IO": "direct",
+                                   "PLE_GATHER_ROW_CACHE_MIB": "4"}},
         {"name": "bad", "env": {"PLE_LOOKAHEAD_MIB": "lots"}},
     ], tmp_path_factory.mktemp("lookahead"))
 
@@ -119,6 +121,20 @@ def test_a_lone_prompts_coming_chunks_come_from_prefetches(arms):
     assert (on["prefetch_hits"], on["prefetch_misses"]) == (6, 1)
     assert (off["prefetch_hits"], off["prefetch_misses"]) == (0, 0)
     assert on["rows"] == off["rows"] == len(LONG) + MAX_TOKENS - 1
+
+
+def test_lookahead_over_direct_io_and_a_row_cache(arms):
+    """PLE_GATHER_IO=direct with a row cache: the same bits and the same
+    prefetch hits as lookahead over the page cache, the rows read ahead
+    held pinned in the row cache until taken."""
+    for batch in ("alone", "together"):
+        assert_same_outputs({"name": "direct", **arms["direct"][batch]},
+                            {"name": "off", **arms["off"][batch]})
+    direct, on = arms["direct"]["alone"]["stats"], arms["on"]["alone"]["stats"]
+    assert (direct["prefetch_hits"], direct["prefetch_misses"]) == (6, 1)
+    assert direct["rows"] == on["rows"]
+    assert direct["prefetch_pinned_rows"] > 0 and direct["direct_reads"] > 0
+    assert on["prefetch_pinned_rows"] == 0
 
 
 def test_two_requests_read_ahead_while_one_is_alone(arms):
