@@ -18,6 +18,8 @@ import gc
 import io
 import os
 import shutil
+import subprocess
+import sys
 import weakref
 
 import pytest
@@ -160,6 +162,40 @@ def test_after_chdir_the_served_checkpoint_is_refused_and_another_saved(saved, t
     copy_before = directory_bytes(tmp_path / "second" / "checkpoint")
     PreTrainedModel.save_pretrained(model, "checkpoint")
     assert directory_bytes(tmp_path / "second" / "checkpoint") != copy_before
+
+
+LOAD_AND_SAVE = """
+import sys, torch, transformers
+from transformers import PreTrainedModel
+transformers.logging.set_verbosity_error()
+model = torch.load(sys.argv[1], weights_only=False)
+try:
+    PreTrainedModel.save_pretrained(model, "../first/checkpoint")
+except ValueError as error:
+    print(error)
+PreTrainedModel.save_pretrained(model, "checkpoint")
+"""
+
+
+def test_a_model_loaded_in_another_process_after_chdir_refuses_too(saved, tmp_path, monkeypatch):
+    """torch.save of a model loaded by a relative path, after a chdir;
+    torch.load in a new process (ple's guard comes with the model) that
+    runs in the other directory: the served checkpoint is refused, the copy
+    of the same name saved into."""
+    for name in ("first", "second"):
+        shutil.copytree(saved["gemma3n"], tmp_path / name / "checkpoint")
+    monkeypatch.chdir(tmp_path / "first")
+    model = from_pretrained(Gemma3nForCausalLM, "checkpoint")
+    os.chdir(tmp_path / "second")
+    torch.save(model, tmp_path / "model.pt")
+    served = directory_bytes(tmp_path / "first" / "checkpoint")
+    other = directory_bytes(tmp_path / "second" / "checkpoint")
+    run = subprocess.run([sys.executable, "-c", LOAD_AND_SAVE, str(tmp_path / "model.pt")],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.strip() == refusal("../first/checkpoint", table_names(model))
+    assert directory_bytes(tmp_path / "first" / "checkpoint") == served
+    assert directory_bytes(tmp_path / "second" / "checkpoint") != other
 
 
 def test_a_folder_of_links_is_refused_and_its_links_are_kept(saved, tmp_path):
