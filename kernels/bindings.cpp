@@ -258,7 +258,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def(
       "set_poll_interval",
       [](double seconds) {
-        if (!(seconds >= 0 && seconds <= 60)) throw std::invalid_argument("a poll interval is 0 to 60 s");
+        if (!(seconds >= 0 && seconds <= 60)) {
+          throw std::invalid_argument("a poll interval is 0 to 60 s");
+        }
         ple::set_poll_interval(std::chrono::duration_cast<std::chrono::nanoseconds>(
             std::chrono::duration<double>(seconds)));
       },

@@ -187,7 +187,8 @@ def test_the_config_read_back_is_the_one_in_force_after_racing_assignments(tmp_p
                 table.config = picks[which]
                 done.wait()
 
-        threads = [threading.Thread(target=gather, args=(k,), daemon=True) for k in range(gatherers)]
+        threads = [threading.Thread(target=gather, args=(k,), daemon=True)
+                   for k in range(gatherers)]
         threads += [threading.Thread(target=assign, args=(k,), daemon=True) for k in (0, 1)]
         for thread in threads:
             thread.start()
