@@ -239,8 +239,10 @@ void PinnedRows::keep(const int64_t* ids, int64_t resident_begin, int64_t reside
       continue;
     }
     // Rows move down only, each to a place that no later row is read from.
-    std::memmove(buffer_.data() + kept * row_bytes_, buffer_.data() + position * row_bytes_,
-                 row_bytes_);
+    if (kept != static_cast<int64_t>(position)) {
+      std::memcpy(buffer_.data() + kept * row_bytes_, buffer_.data() + position * row_bytes_,
+                  row_bytes_);
+    }
     where_[position] = own(kept++);
   }
   buffer_.resize(static_cast<size_t>(kept) * row_bytes_);
