@@ -31,7 +31,8 @@ namespace ple {
   X(major_faults, "major page faults of the gathering threads (synchronous reads from disk)")   \
   X(minor_faults, "minor page faults of the gathering threads")                                 \
   X(gather_ns, "wall time inside the native gather, in nanoseconds")                            \
-  X(prefetch_hits, "gathers served by a table.prefetch of the same ids")                        \
+  X(prefetch_hits,                                                                              \
+    "gathers served by a table.prefetch of the same ids (or of their first ids)")               \
   X(prefetch_misses,                                                                            \
     "gathers that found pending prefetches of other ids only, or whose prefetch failed")        \
   X(row_cache_hits, "disk-tier ids served by the row cache")                                    \

@@ -83,10 +83,6 @@ class ReadAhead:
     def held_bytes(self) -> int:
         return self.table.prefetched_bytes(self.owner)
 
-    @property
-    def chunks_waiting(self) -> int:
-        return len(self._waiting)
-
     def room_for(self, nbytes: int) -> bool:
         """Whether ``nbytes`` more rows fit in ``max_bytes`` (always, when
         nothing is held), waiting for the oldest gathers in flight on a GPU
