@@ -67,7 +67,8 @@ class ReadAhead:
     on a GPU that has not reached it yet (the host thread runs ahead of the
     stream).  Once a forwarded chunk's gather has run, what it left of the
     chunk is dropped and the chunk counts as missed.  Not thread-safe: its
-    owner (a plan) calls it under its own lock."""
+    user (a layer's plan, under the plan's lock; the vLLM plugin's planner,
+    on its worker's thread) calls it from one thread at a time."""
 
     def __init__(self, table: Table, max_bytes: int):
         check_max_bytes(max_bytes)
@@ -167,8 +168,8 @@ class Lookahead:
         ahead what now fits.  Returns False when the plan has ended (the
         chunks are done, ``n`` is not the next chunk's size, or a forward
         left its chunk's rows untaken).  A plan whose last chunk's gather is
-        still in flight on a GPU stays, until a forward, ``bytes_ahead`` or
-        ``end`` finds it done."""
+        still in flight on a GPU goes on holding that chunk's rows until the
+        stream takes them, or the next forward or ``end`` ends it."""
         with self._lock:
             if self.ended:
                 return False

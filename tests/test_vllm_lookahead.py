@@ -313,6 +313,8 @@ def prefill(worker, prompt, forwarded_ids, device="cpu"):
         ids = torch.tensor(forwarded_ids(start, start + n), device=device)
         rows.append(lookahead.run_step(worker, schedule, lambda _: worker.embedding(ids))[:n])
         held.append(table.prefetched_bytes())
+    if device == "cuda":
+        torch.cuda.synchronize()  # vLLM has sampled the last step's token when it finishes
     lookahead.run_step(worker, step(finished=["a"]), lambda _: None)
     return torch.cat(rows).cpu(), held
 
