@@ -171,21 +171,24 @@ def without_vision_tower(module):
     return mock.patch.object(module, "AutoModel", AutoModelWithoutVision)
 
 
-def write_checkpoint(directory: Path, seed: int = 0) -> Path:
-    """A tiny random Gemma 3n (see save_sharded)."""
+def write_checkpoint(directory: Path, seed: int = 0, **config) -> Path:
+    """A tiny random Gemma 3n (see save_sharded); ``config``: fields of
+    GEMMA_CONFIG changed."""
     torch.manual_seed(seed)
-    model = Gemma3nForCausalLM(Gemma3nTextConfig(**GEMMA_CONFIG)).eval()
+    model = Gemma3nForCausalLM(Gemma3nTextConfig(**{**GEMMA_CONFIG, **config})).eval()
     return save_sharded(model, model.model, TABLE, directory)
 
 
-def write_multimodal_checkpoint(directory: Path) -> Path:
+def write_multimodal_checkpoint(directory: Path, **text_config) -> Path:
     """A tiny random multimodal Gemma 3n in the published layout (the table
     is MULTIMODAL_TABLE), without its vision tower's weights, and a processor
     for it (vLLM's multimodal processor needs a tokenizer): a word-level
-    tokenizer of the ids, whose last ids are PROCESSOR_TOKENS and NEWLINES."""
+    tokenizer of the ids, whose last ids are PROCESSOR_TOKENS and NEWLINES.
+    ``text_config``: fields of GEMMA_CONFIG changed."""
     torch.manual_seed(0)
+    config = {**MULTIMODAL_CONFIG, "text_config": {**GEMMA_CONFIG, **text_config}}
     with without_vision_tower(modeling_gemma3n):
-        model = Gemma3nForConditionalGeneration(Gemma3nConfig(**MULTIMODAL_CONFIG)).eval()
+        model = Gemma3nForConditionalGeneration(Gemma3nConfig(**config)).eval()
     save_sharded(model, model.model.language_model, MULTIMODAL_TABLE, directory)
     tokens = [*PROCESSOR_TOKENS.values(), *NEWLINES]
     first = GEMMA_CONFIG["vocab_size"] - len(tokens)

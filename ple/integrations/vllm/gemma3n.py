@@ -7,7 +7,8 @@ is vLLM's model but for two things:
 
 - the offloaded tables (``PLE_OFFLOAD``): the module
   ``model.self_decoder.embed_tokens_per_layer`` (a ``VocabParallelEmbedding``
-  in vLLM) is a :class:`ple.layers.DiskEmbedding` over the checkpoint's
+  in vLLM, which vLLM's text model builds on the meta device here: its
+  parameter holds no memory) is a :class:`ple.layers.DiskEmbedding` over the checkpoint's
   tensor ``model.embed_tokens_per_layer.weight`` (published multimodal
   checkpoints: ``model.language_model.embed_tokens_per_layer.weight``), in
   the model's dtype: the rows are torch's cast of the stored values, as the
@@ -28,6 +29,7 @@ is vLLM's model but for two things:
 from __future__ import annotations
 
 from collections.abc import Iterable
+from contextlib import contextmanager, nullcontext
 
 import torch
 from torch import nn
@@ -38,13 +40,15 @@ from vllm.model_executor.models.utils import maybe_prefix
 
 from ple.layers.disk_embedding import DiskEmbedding
 
-from . import settings
+from . import Settings, settings
 from .checkpoint import (checkpoint_paths, keep_loading_lazy, key_compile_cache, logger,
                          open_embedding, report)
 
 # The module "auto" serves, under the text model, and its checkpoint tensor.
 PER_LAYER_MODULE = "self_decoder.embed_tokens_per_layer"
 PER_LAYER_TENSOR = "model.embed_tokens_per_layer.weight"
+# The end of the prefix vLLM's self-decoder builds that module with.
+PER_LAYER_PREFIX = ".per_layer_embed_tokens"
 
 
 class Gemma3nTextModel(gemma3n.Gemma3nTextModel):
@@ -68,17 +72,23 @@ class Gemma3nForCausalLM(gemma3n.Gemma3nForCausalLM):
     ``ple_tables``: ``{module name: table}``."""
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
-        # vLLM's __init__, but for the text model's class: building vLLM's
-        # first would allocate the table's parameter for nothing.
+        # vLLM's __init__, but for the text model's class (building vLLM's
+        # first would build another table), whose table is built on the meta
+        # device when ple serves it.
         nn.Module.__init__(self)
         config = vllm_config.model_config.hf_config
         self.config = config
         self.cache_config = vllm_config.cache_config
-        self.model = Gemma3nTextModel(vllm_config=vllm_config,
-                                      prefix=maybe_prefix(prefix, "model"))
+        asked = settings()
+        if isinstance(asked.offload, tuple):
+            _refuse_unknown(asked.offload)
+        offloaded = asked.offload == "auto" or bool(_text_model_names(asked.offload))
+        with per_layer_table_on_meta() if offloaded else nullcontext():
+            self.model = Gemma3nTextModel(vllm_config=vllm_config,
+                                          prefix=maybe_prefix(prefix, "model"))
         self.logits_processor = LogitsProcessor(config.vocab_size,
                                                 soft_cap=config.final_logit_softcapping)
-        self._served = self._offload(vllm_config, prefix)
+        self._served = self._offload(vllm_config, prefix, asked) if offloaded else {}
         if vllm_config.model_config.architecture == "Gemma3nForCausalLM":
             logger.info("ple: vLLM's text-only Gemma3nForCausalLM computes no per-layer inputs "
                         "(its table changes nothing); ple's computes them from "
@@ -88,15 +98,18 @@ class Gemma3nForCausalLM(gemma3n.Gemma3nForCausalLM):
     def ple_tables(self):
         return {name: module.table for name, (module, _) in self._served.items()}
 
-    def _offload(self, vllm_config: VllmConfig, prefix: str) -> dict[str, tuple[DiskEmbedding, str]]:
-        asked = settings()
+    def _offload(self, vllm_config: VllmConfig, prefix: str, asked: Settings
+                 ) -> dict[str, tuple[DiskEmbedding, str]]:
+        """Puts ple's module in place of vLLM's table, built on the meta
+        device."""
         full_name = maybe_prefix(prefix, f"model.{PER_LAYER_MODULE}")
-        if isinstance(asked.offload, tuple):
-            _refuse_unknown(asked.offload)
-        if not (asked.offload == "auto" or _text_model_names(asked.offload)):
-            return {}
         keep_loading_lazy(vllm_config.load_config)
         original = self.model.self_decoder.embed_tokens_per_layer
+        if not original.weight.is_meta:
+            raise RuntimeError(f"ple: this vLLM builds Gemma 3n's {PER_LAYER_MODULE} otherwise "
+                               f"than vLLM 0.32 (with a prefix ending {PER_LAYER_PREFIX!r}), and "
+                               "allocated the table ple serves: ple's Gemma 3n needs revising "
+                               "for it")
         shape = (self.config.vocab_size_per_layer_input,
                  self.config.num_hidden_layers * self.config.hidden_size_per_layer_input)
         module = open_embedding(full_name, checkpoint_paths(vllm_config), PER_LAYER_TENSOR, shape,
@@ -118,6 +131,25 @@ class Gemma3nForCausalLM(gemma3n.Gemma3nForCausalLM):
             weights = ((name, tensor) for name, tensor in weights
                        if not _is_per_layer_table(name))
         return super().load_weights(weights)
+
+
+@contextmanager
+def per_layer_table_on_meta():
+    """While vLLM's text model is built inside, its self-decoder builds the
+    per-layer table (vLLM's ``VocabParallelEmbedding`` of that prefix) on
+    the meta device: ple serves the table, and vLLM's parameter would
+    allocate the whole of it (on the GPU, on CUDA) for nothing."""
+    vllm_class = gemma3n.VocabParallelEmbedding
+
+    def build(*args, prefix: str = "", **kwargs):
+        with torch.device("meta") if prefix.endswith(PER_LAYER_PREFIX) else nullcontext():
+            return vllm_class(*args, prefix=prefix, **kwargs)
+
+    gemma3n.VocabParallelEmbedding = build
+    try:
+        yield
+    finally:
+        gemma3n.VocabParallelEmbedding = vllm_class
 
 
 def _is_per_layer_table(name: str) -> bool:
