@@ -230,6 +230,8 @@ def run_step(worker, scheduler_output, execute_model):
     """``execute_model(scheduler_output)`` of ``worker`` with the lookahead
     of its model, read from the settings at its first step (an engine built
     later in the process reads them anew)."""
+    if worker not in _lookaheads:
+        settings()  # a bad setting stops the engine here, as at load, outside the guard
     lookahead = _guarded(worker, _lookahead_of, worker)
     if lookahead is not None:
         _guarded(worker, lookahead.before_step, scheduler_output)
