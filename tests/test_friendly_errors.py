@@ -101,6 +101,21 @@ def test_sparse_and_nested_ids_say_what_ple_takes(table, make, what):
             assert str(raised.value) == f"{caller} {DENSE}{what}", (mode, caller)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.filterwarnings("ignore")  # torch's warnings that sparse and nested are in beta
+def test_sparse_and_nested_cuda_ids_say_what_ple_takes(table):
+    opened, _ = table
+    dense = torch.tensor([[0, 1], [2, 0]], device="cuda")
+    for ids, what in ((dense.to_sparse(), "a torch.sparse_coo tensor: pass ids.to_dense()"),
+                      (dense.to_sparse_csr(), "a torch.sparse_csr tensor: pass ids.to_dense()"),
+                      (nested(torch.jagged).cuda(), NESTED)):
+        for caller, call in (("ple.disk_gather", torch.ops.ple.disk_gather),
+                             ("ple.gather", lambda ids, handle: ple.gather(opened, ids))):
+            with pytest.raises(TypeError) as raised:
+                call(ids, opened.handle)
+            assert str(raised.value) == f"{caller} {DENSE}{what}"
+
+
 def test_a_gather_while_python_finalizes_says_the_process_is_exiting(table, tmp_path):
     """An object that gathers in its __del__ when the interpreter collects
     it at exit: the gather is refused with a message saying why, not with
