@@ -53,7 +53,9 @@ def _keep_registered_while_python_runs(library: torch.library.Library) -> None:
     still run: a gather of theirs would then fail inside torch ("'_OpNamespace'
     'ple' object has no attribute 'disk_gather'", an INTERNAL ASSERT, or a
     crash).  ple's operators stay registered until the module is collected,
-    when Python finalizes (and no thread but the finalizing one runs)."""
+    when Python finalizes (and no thread but the finalizing one runs).  The
+    finalizer is found in weakref's own registry of them (a private name of
+    every Python ple supports; without it, torch's behaviour stays)."""
     for finalizer in list(getattr(weakref.finalize, "_registry", ())):
         state = finalizer.peek()
         if state is not None and state[0] is library:
