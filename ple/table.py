@@ -255,7 +255,9 @@ class Table:
         self._state_lock = threading.Lock()
         # One config assignment at a time, from the native side's taking it to
         # the record that `config` reads: the config read is the one in force.
-        self._config_lock = threading.Lock()
+        # Reentrant: a signal handler that reads the config may run inside an
+        # assignment.
+        self._config_lock = threading.RLock()
         self._calls = 0
         self._closing = False
         self._same_files = f"{name}@{_files_digest(files, self._layout)}"
