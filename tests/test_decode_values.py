@@ -281,7 +281,7 @@ def test_unknown_handle():
         torch.ops.ple.disk_gather_bytes(torch.tensor([0]), handle)
 
 
-@pytest.mark.parametrize("name", ["emb", ""])
+@pytest.mark.parametrize("name", ["no_table_has_this_name", ""])
 def test_a_name_that_is_no_handle(name):
     expected = (f"ple: '{name}' is not a table handle (\"<name>@<digest>\"): pass an open "
                 "table's table.handle, or call ple.gather(table, ids)")
