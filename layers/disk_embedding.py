@@ -11,7 +11,7 @@ from ple.formats import OUTPUT_DTYPES
 from ple.safetensors_tables import PathsLike
 from ple.table import Table
 
-from .lookahead import DEFAULT_MAX_BYTES, LooksAhead, chunk_ids
+from .lookahead import DEFAULT_MAX_BYTES, Lookahead, LooksAhead, chunk_ids
 from .parallel import PlacesServedRows, RowSplit, gather, prefetch
 
 # disk_gather's dtypes, and float64, which the rows are widened to from float32.
@@ -202,12 +202,13 @@ class DiskEmbedding(LooksAhead, PlacesServedRows, torch.nn.Module):
         prefetch(self.table, ids, self.split)
 
     def lookahead(self, ids: torch.Tensor, chunk_size: int,
-                  max_bytes: int = DEFAULT_MAX_BYTES, dim: int = -1) -> None:
+                  max_bytes: int = DEFAULT_MAX_BYTES, dim: int = -1) -> Lookahead | None:
         """The next forwards are of ``ids`` in chunks, ``ids.split(chunk_size,
         dim)`` in order (as transformers' chunked prefill splits a prompt
         ``[batch, length]``): their rows are read ahead, at most ``max_bytes``
-        beyond the chunk being gathered (``ple.layers.lookahead``)."""
-        self._look_ahead(chunk_ids(ids, chunk_size, dim), max_bytes)
+        beyond the chunk being gathered (``ple.layers.lookahead``).
+        Returns the plan (None: no chunks), for ``end_lookahead(plan)``."""
+        return self._look_ahead(chunk_ids(ids, chunk_size, dim), max_bytes)
 
     def close(self) -> None:
         """Closes the table (unmaps its files); the module cannot run after."""

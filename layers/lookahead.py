@@ -29,6 +29,7 @@ plan once, and a plan ended meanwhile ignores it.
 from __future__ import annotations
 
 import itertools
+import logging
 import threading
 from collections import deque
 from collections.abc import Callable
@@ -38,6 +39,8 @@ import torch
 from ple.table import Table
 
 from .parallel import RowSplit, prefetch
+
+logger = logging.getLogger(__name__)
 
 # Rows read ahead per layer by default, beyond the chunk being gathered: two
 # 2,048-token chunks of a 16-head n-gram layer of 160 B rows take 10.5 MB.
@@ -169,16 +172,25 @@ class Lookahead:
         chunks are done, ``n`` is not the next chunk's size, or a forward
         left its chunk's rows untaken).  A plan whose last chunk's gather is
         still in flight on a GPU goes on holding that chunk's rows until the
-        stream takes them, or the next forward or ``end`` ends it."""
+        stream takes them, or the next forward or ``end`` ends it.  When
+        reading ahead fails after the gather, the plan ends and logs the error:
+        the forward's rows are gathered all the same."""
         with self._lock:
             if self.ended:
                 return False
             if not self._sizes or self._sizes[0] != n:
                 self._end()
                 return False
-            self._sizes.popleft()
-            self._ahead.forwarded(device)
-            self._fill()
+            try:
+                self._sizes.popleft()
+                self._ahead.forwarded(device)
+                self._fill()
+            except Exception:
+                # The forward's rows are gathered: a failure of the plan's own
+                # bookkeeping ends the plan, not the request.
+                logger.exception("ple: a lookahead plan ended: its reads ahead failed")
+                self._end()
+                return False
             if self._ahead.missed or not self._sizes and not self._ahead.held_bytes:
                 self._end()
                 return False
@@ -214,11 +226,13 @@ class LooksAhead:
 
     _lookahead: Lookahead | None = None
 
-    def _look_ahead(self, chunks: list[torch.Tensor], max_bytes: int) -> None:
+    def _look_ahead(self, chunks: list[torch.Tensor], max_bytes: int) -> Lookahead | None:
+        """Makes the plan of ``chunks`` the layer's, and returns it (None: no chunks)."""
         with self._plan_lock:
             self._replace_plan(None)
             if chunks:
                 self._replace_plan(Lookahead(self.table, self.split, chunks, max_bytes))
+            return self._lookahead
 
     @torch.compiler.disable
     def _gather_planned(self, gather: Callable[..., torch.Tensor], *args) -> torch.Tensor:
@@ -257,11 +271,16 @@ class LooksAhead:
             if self._lookahead is plan:
                 self._lookahead = None
 
-    def end_lookahead(self) -> None:
-        """Ends a ``lookahead`` plan: the rows it read ahead and no gather
+    def end_lookahead(self, plan: Lookahead | None = None) -> None:
+        """Ends a ``lookahead`` plan: ``plan`` (one that ``lookahead``
+        returned), or else the layer's.  The rows it read ahead and no gather
         took are dropped, and no read of them runs when this returns.  Other
-        prefetches of the table (another layer's plan) stay.  After
-        ``close()`` there is nothing left to drop, and it does nothing."""
+        prefetches of the table (another plan's, the layer's own included)
+        stay.  After ``close()`` there is nothing left to drop, and it does
+        nothing."""
+        if plan is not None:
+            self._end_plan(plan)
+            return
         with self._plan_lock:
             self._replace_plan(None)
 

@@ -16,7 +16,7 @@ from ple.safetensors_tables import (PathsLike, find_table, missing_table, read_e
 from ple.table import Table
 
 from .ngram_ids import NGramConstants, NGramHashing, decoder_layer
-from .lookahead import DEFAULT_MAX_BYTES, LooksAhead, chunk_ids
+from .lookahead import DEFAULT_MAX_BYTES, Lookahead, LooksAhead, chunk_ids
 from .parallel import PlacesServedRows, RowSplit, gather, prefetch, served_rows
 
 # The reference checkpoint's table, and where transformers' save_pretrained
@@ -178,15 +178,16 @@ class NGramEmbedding(LooksAhead, PlacesServedRows, torch.nn.Module):
 
     def lookahead(self, token_ids: torch.Tensor, chunk_size: int,
                   seq_ids: torch.Tensor | None = None, context: torch.Tensor | None = None,
-                  max_bytes: int = DEFAULT_MAX_BYTES) -> None:
+                  max_bytes: int = DEFAULT_MAX_BYTES) -> Lookahead | None:
         """The next forwards are the chunks of a prompt: ``token_ids[i *
         chunk_size:(i + 1) * chunk_size]`` in order, each given the same
         slice of ``seq_ids`` and the context of the tokens before it (the
         arguments, CPU tensors, are those of one forward of the whole
         prompt).  Their rows are read ahead, at most ``max_bytes`` beyond the
-        chunk being gathered (``ple.layers.lookahead``)."""
-        self._look_ahead(chunk_ids(self.row_ids(token_ids, seq_ids, context), chunk_size, dim=0),
-                         max_bytes)
+        chunk being gathered (``ple.layers.lookahead``).
+        Returns the plan (None: no chunks), for ``end_lookahead(plan)``."""
+        chunks = chunk_ids(self.row_ids(token_ids, seq_ids, context), chunk_size, dim=0)
+        return self._look_ahead(chunks, max_bytes)
 
     @property
     def served_rows(self) -> tuple[int, int]:

@@ -10,7 +10,7 @@ from ple.config import GatherConfig
 from ple.formats import OUTPUT_DTYPES
 from ple.table import Table
 
-from .lookahead import DEFAULT_MAX_BYTES, LooksAhead, chunk_ids
+from .lookahead import DEFAULT_MAX_BYTES, Lookahead, LooksAhead, chunk_ids
 from .parallel import PlacesServedRows, RowSplit, gather, prefetch
 
 
@@ -57,11 +57,12 @@ class PackedGGUFEmbedding(LooksAhead, PlacesServedRows, torch.nn.Module):
         prefetch(self.table, token_ids, self.split)
 
     def lookahead(self, token_ids: torch.Tensor, chunk_size: int,
-                  max_bytes: int = DEFAULT_MAX_BYTES) -> None:
+                  max_bytes: int = DEFAULT_MAX_BYTES) -> Lookahead | None:
         """The next forwards are of ``token_ids.split(chunk_size, dim=-1)``, in
         order: their rows are read ahead, at most ``max_bytes`` beyond the
-        chunk being gathered (``ple.layers.lookahead``)."""
-        self._look_ahead(chunk_ids(token_ids, chunk_size, dim=-1), max_bytes)
+        chunk being gathered (``ple.layers.lookahead``).
+        Returns the plan (None: no chunks), for ``end_lookahead(plan)``."""
+        return self._look_ahead(chunk_ids(token_ids, chunk_size, dim=-1), max_bytes)
 
     def extra_repr(self) -> str:
         split = "" if self.split is None else f", {self.split}"

@@ -280,6 +280,38 @@ def test_a_forward_that_raises_ends_its_plan_alone(embedding):
     assert table.prefetched_bytes() == 0
 
 
+@pytest.mark.parametrize("failing", ["room_for", "prefetch"])
+def test_reading_ahead_that_fails_after_a_gather_ends_the_plan_not_the_forward(
+        embedding, monkeypatch, caplog, failing):
+    """The plan's reads ahead raise once a forward's rows are gathered (an
+    Event that fails to synchronize, a prefetch on a table closed meanwhile,
+    memory): the forward returns its rows, the plan ends and drops what it
+    read ahead, and the error is logged once."""
+    import ple.layers.lookahead as lookahead
+
+    table, reference = embedding.table, all_rows(embedding)
+    planned = random_ids(9, 4)
+    embedding.lookahead(planned, CHUNK, max_bytes=CHUNK * table.row_bytes)
+    assert embedding.looking_ahead and table.prefetched_bytes() > 0
+
+    def fail(*_args, **_kwargs):
+        raise MemoryError("no memory to read ahead")
+
+    if failing == "room_for":
+        monkeypatch.setattr(lookahead.ReadAhead, "room_for", fail)
+    else:
+        monkeypatch.setattr(lookahead, "prefetch", fail)
+    chunk = planned[:, :CHUNK]
+    with caplog.at_level("ERROR", logger="ple"):
+        assert_same_bits(embedding(chunk), reference[chunk])
+    assert [r.getMessage() for r in caplog.records] == [
+        "ple: a lookahead plan ended: its reads ahead failed"]
+    assert caplog.records[0].exc_info[0] is MemoryError
+    assert not embedding.looking_ahead and embedding.lookahead_bytes == 0
+    assert table.prefetched_bytes() == 0
+    assert_same_bits(embedding(planned[:, CHUNK:2 * CHUNK]), reference[planned[:, CHUNK:2 * CHUNK]])
+
+
 def test_end_lookahead_drops_only_its_own_plans_prefetches(embedding):
     table = embedding.table
     other = DiskEmbedding(table)

@@ -107,6 +107,27 @@ def test_nothing_is_read_ahead_after_generate_raises(checkpoints):
     assert calls == {name: t.stats()["calls"] for name, t in tables(served).items()}
 
 
+def test_ending_one_generates_plans_leaves_anothers(checkpoints):
+    """Two generates on one model, on two threads: the second's plans replace
+    the first's on every module, and the first's end, when it returns, ends
+    its own plans alone; the second's go on looking ahead until its own end."""
+    from ple.integrations import prefill_lookahead
+
+    served = from_pretrained(MODELS["qwen4exp"][0], checkpoints["qwen4exp"])
+    modules = served_modules(served)
+    first = prefill_lookahead.start(served, prompt(4, PROMPT_SHAPE), 2, 1 << 20)
+    second = prefill_lookahead.start(served, prompt(5, PROMPT_SHAPE), 2, 1 << 20)
+    assert [module for module, _ in first] == [module for module, _ in second] == modules
+    held = {name: t.prefetched_bytes() for name, t in tables(served).items()}
+    prefill_lookahead.end(first)
+    assert all(module.looking_ahead for module in modules)
+    assert held == {name: t.prefetched_bytes() for name, t in tables(served).items()}
+    assert all(held.values())
+    prefill_lookahead.end(second)
+    assert not any(module.looking_ahead for module in modules)
+    assert all(t.prefetched_bytes() == 0 for t in tables(served).values())
+
+
 PADDED_LENGTH = 10
 PAD_ID = 0
 

@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 from ple.layers.disk_embedding import DiskEmbedding
+from ple.layers.lookahead import Lookahead
 from ple.layers.ngram_ids import NGramConstants, NGramHashing
 
 __all__ = ["end", "gathered_token_ids", "prefill_chunk_size", "start"]
@@ -47,11 +48,11 @@ def prefill_chunk_size(model: nn.Module, kwargs: dict) -> int | None:
 
 
 def start(model: nn.Module, prompt: torch.Tensor, chunk_size: int, max_bytes: int,
-          attention_mask: torch.Tensor | None = None) -> list[DiskEmbedding]:
+          attention_mask: torch.Tensor | None = None) -> list[tuple[DiskEmbedding, Lookahead]]:
     """Gives each offloaded module of ``model`` the plan of a prefill of
     ``prompt`` (``[batch, length]`` token ids, ``attention_mask`` as
     ``generate`` takes it) in chunks of ``chunk_size``; returns the modules
-    that look ahead."""
+    that look ahead, each with the plan it was given."""
     prompt = prompt.to("cpu", torch.int64)
     if prompt.dim() != 2 or prompt.shape[1] <= chunk_size:
         return []  # one chunk: its forward reads its rows itself, nothing to overlap
@@ -62,18 +63,21 @@ def start(model: nn.Module, prompt: torch.Tensor, chunk_size: int, max_bytes: in
             for child in owner.children():
                 if isinstance(child, DiskEmbedding):
                     ids, dim = _prompt_ids(owner, child, prompt, attended)
-                    child.lookahead(ids, chunk_size, max_bytes, dim=dim)
-                    planned.append(child)
+                    plan = child.lookahead(ids, chunk_size, max_bytes, dim=dim)
+                    if plan is not None:
+                        planned.append((child, plan))
     except BaseException:
         end(planned)
         raise
     return planned
 
 
-def end(modules: list[DiskEmbedding]) -> None:
-    """Ends the modules' plans: when it returns, no read of theirs runs."""
-    for module in modules:
-        module.end_lookahead()
+def end(planned: list[tuple[DiskEmbedding, Lookahead]]) -> None:
+    """Ends the plans that :func:`start` gave: when it returns, no read of
+    theirs runs.  A plan that another ``start`` (another thread's
+    ``generate``) has given a module since stays."""
+    for module, plan in planned:
+        module.end_lookahead(plan)
 
 
 def _attended(prompt: torch.Tensor, attention_mask: torch.Tensor | None, chunk_size: int
