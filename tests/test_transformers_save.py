@@ -277,6 +277,49 @@ def test_a_model_whose_tables_are_closed_still_refuses(checkpoint):
     assert directory_bytes(directory) == before
 
 
+def test_closed_tables_that_nothing_holds_refuse_no_longer(saved, tmp_path):
+    """Once the model holding closed tables is dropped, no table is served
+    from the checkpoint: another model saves into it."""
+    directory = tmp_path / "checkpoint"
+    shutil.copytree(saved["gemma3n"], directory)
+    model = from_pretrained(Gemma3nForCausalLM, directory)
+    close_tables(model)
+    plain = Gemma3nForCausalLM.from_pretrained(saved["gemma3n"])
+    with pytest.raises(ValueError):
+        plain.save_pretrained(directory)
+    del model
+    gc.collect()
+    plain.save_pretrained(directory)
+    with safe_open(directory / "model.safetensors", "pt") as f:
+        assert "model.embed_tokens_per_layer.weight" in f.keys()
+
+
+class Wrapper(torch.nn.Module):
+    """A model that is no PreTrainedModel: Trainer saves its state dict itself."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, **inputs):
+        return self.model(**inputs)
+
+
+@pytest.mark.parametrize("checkpoint", sorted(MODELS), indirect=True)
+def test_a_trainer_of_a_wrapped_model_is_refused_the_served_checkpoint(checkpoint, tmp_path):
+    directory, model = checkpoint
+    before = directory_bytes(directory)
+    args = TrainingArguments(output_dir=str(tmp_path / "runs"), report_to=[], use_cpu=True)
+    trainer = Trainer(model=Wrapper(model), args=args)
+    with pytest.raises(ValueError) as error:
+        trainer.save_model(str(directory))
+    assert str(error.value) == refusal(directory, table_names(model))
+    assert directory_bytes(directory) == before
+    trainer.save_model(str(tmp_path / "out"))
+    with safe_open(tmp_path / "out" / "model.safetensors", "pt") as f:
+        assert set(f.keys()) == set(Wrapper(model).state_dict())
+
+
 @pytest.mark.parametrize("checkpoint", sorted(MODELS), indirect=True)
 def test_saving_elsewhere_writes_the_model_without_its_tables(checkpoint, tmp_path):
     directory, model = checkpoint

@@ -279,45 +279,57 @@ def _lookahead_bytes(lookahead_mib: int) -> int:
 # class's function, PreTrainedModel.save_pretrained unbound, a Trainer) creates
 # its directory with os.makedirs before it writes anything, deletes the shards
 # of an earlier save with os.remove and writes shards with safe_save_file, all
-# three names of transformers.modeling_utils.  ple gives that module an ``os``
-# and a ``safe_save_file`` that refuse, by the files' identity (device, inode),
-# any file a ple table of this process is served from: a directory that holds
-# one, and such a file itself (a symlink to it too).  For every other path
-# they are os's and safetensors' own.
+# three names of transformers.modeling_utils; a Trainer saving a model that is
+# no PreTrainedModel creates its directory with os.makedirs and writes with
+# safetensors.torch.save_file, names of transformers.trainer.  ple gives those
+# modules an ``os``, a ``safe_save_file`` and a ``safetensors`` that refuse, by
+# the files' identity (device, inode), any file a ple table of this process is
+# served from: a directory that holds one, and such a file itself (a symlink
+# to it too).  For every other path they are os's and safetensors' own.
 
 def _guard_saving() -> None:
     """Puts ple's guard into transformers' saving, once a process (nothing
     without transformers)."""
     try:
-        from transformers import modeling_utils
+        from transformers import modeling_utils, trainer
     except ImportError:
         return
-    if not isinstance(modeling_utils.os, _SavingOs):
-        modeling_utils.os = _SavingOs()
+    for module in (modeling_utils, trainer):
+        if not isinstance(module.os, _Guarded):
+            module.os = _SAVING_OS
     if not getattr(modeling_utils.safe_save_file, "__ple_guard__", False):
         modeling_utils.safe_save_file = _guarded_save_file(modeling_utils.safe_save_file)
+    if not isinstance(trainer.safetensors, _Guarded):
+        safetensors = trainer.safetensors
+        trainer.safetensors = _Guarded(safetensors, torch=_Guarded(
+            safetensors.torch, save_file=_guarded_save_file(safetensors.torch.save_file)))
 
 
-class _SavingOs(types.ModuleType):
-    """``os`` for transformers' modeling_utils: ``makedirs`` refuses a
-    directory that holds a file a ple table is served from, ``remove``
-    refuses such a file; every other name is os's own."""
+class _Guarded(types.ModuleType):
+    """``module`` as transformers' modules see it: the names given are ple's
+    guarded ones, every other name is the module's own."""
 
-    def __init__(self):
-        super().__init__(os.__name__, os.__doc__)
+    def __init__(self, module: types.ModuleType, **guarded):
+        super().__init__(module.__name__, module.__doc__)
+        self.__dict__.update(guarded, _module=module)
 
     def __getattr__(self, name: str):
-        return getattr(os, name)
+        return getattr(self.__dict__["_module"], name)
 
-    @staticmethod
-    def makedirs(name, *args, **kwargs):
-        _refuse_directory_of_tables(name)
-        return os.makedirs(name, *args, **kwargs)
 
-    @staticmethod
-    def remove(path, *args, **kwargs):
-        _refuse_file_of_tables(path, "delete")
-        return os.remove(path, *args, **kwargs)
+def _makedirs(name, *args, **kwargs):
+    """os.makedirs, refusing a directory that holds a file a ple table is served from."""
+    _refuse_directory_of_tables(name)
+    return os.makedirs(name, *args, **kwargs)
+
+
+def _remove(path, *args, **kwargs):
+    """os.remove, refusing a file a ple table is served from."""
+    _refuse_file_of_tables(path, "delete")
+    return os.remove(path, *args, **kwargs)
+
+
+_SAVING_OS = _Guarded(os, makedirs=_makedirs, remove=_remove)
 
 
 def _guarded_save_file(save_file):
