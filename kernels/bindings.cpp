@@ -303,6 +303,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       "Drops an owner's (None: every) prefetches up to a ticket that no gather has taken; returns "
       "their bytes once none of them is read");
   m.def(
+      "row_cache_pinned_rows",
+      [](int64_t handle) {
+        auto table = ple::find_table(handle);
+        std::lock_guard<std::mutex> lock(table->row_cache().mutex());
+        return table->row_cache().pinned_slots();
+      },
+      py::call_guard<py::gil_scoped_release>(),
+      "Slots of a table's row cache that prefetches not yet taken hold pinned");
+  m.def(
       "prefetched_bytes",
       [](int64_t handle, std::optional<uint64_t> owner) {
         return ple::find_table(handle)->prefetched_bytes(owner);

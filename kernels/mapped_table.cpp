@@ -128,6 +128,7 @@ void MappedTable::lock_for_fork() {
 void MappedTable::unlock_after_fork(bool in_child) {
   config_mutex_.unlock();
   scratch_pool_.mutex().unlock();
+  if (in_child) row_cache_.drop_pins();  // prefetches not yet taken then read their rows again
   row_cache_.mutex().unlock();
   prefetch_.unlock_after_fork(in_child);
   configuring_.unlock();

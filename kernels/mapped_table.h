@@ -129,7 +129,8 @@ class MappedTable {
 
   // Around fork(): takes the table's locks so that the child gets them in a
   // consistent state, then gives them back (the prefetch queue's too, see
-  // PrefetchQueue::unlock_after_fork).
+  // PrefetchQueue::unlock_after_fork); in the child, also takes the row
+  // cache's pins off (RowCache::drop_pins).
   void lock_for_fork();
   void unlock_after_fork(bool in_child);
 

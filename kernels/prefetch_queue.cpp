@@ -48,6 +48,11 @@ uint64_t PrefetchQueue::drop_untaken(std::optional<uint64_t> owner, uint64_t thr
     dropped += bytes_of(request);
     it = pending_.erase(it);  // out of the queue, no gather can take it now
   }
+  // One that push dropped while the thread read it is still being read.
+  if (running_ != nullptr && !running_->taken && (!owner || running_->owner == *owner) &&
+      running_->ticket <= through) {
+    running = running_;
+  }
   if (running != nullptr) {
     running->cancel.store(true);
     changed_.wait(lock, [&] { return running->done; });

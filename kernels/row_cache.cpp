@@ -217,6 +217,12 @@ void RowCache::unpin(int64_t slot, uint64_t generation) {
   if (--pins_of(pins_)[slot] == 0) --pinned_slots_;
 }
 
+void RowCache::drop_pins() {
+  pins_.discard();
+  pinned_slots_ = 0;
+  ++generation_;
+}
+
 uint8_t* PinnedRows::start(RowCache* cache, int64_t n, int64_t row_bytes) {
   release();
   cache_ = cache;

@@ -94,6 +94,10 @@ class RowCache {
   void unpin(int64_t slot, uint64_t generation);
   // Slots pinned now (at most half the slots).
   int64_t pinned_slots() const { return pinned_slots_; }
+  // Takes every pin off and starts another generation: in a forked child,
+  // the prefetches that held pins were on the parent's threads, which the
+  // child does not have, so nothing would ever give them back.
+  void drop_pins();
 
  private:
   // Where id is, or would go, in the index: a position whose entry is its

@@ -1,6 +1,8 @@
 """table.prefetch: a gather started ahead on a background thread, taken by the
 next gather of the same ids, byte-identical to a gather without it."""
 
+import time
+
 import numpy as np
 import pytest
 import torch
@@ -113,3 +115,26 @@ def test_int32_ids_take_a_prefetch_of_the_same_values(table_and_reference):
     rows = table.gather_bytes(ids)
     assert np.array_equal(rows.numpy(), reference[ids.numpy()])
     assert (table.stats()["prefetch_hits"], table.stats()["prefetch_misses"]) == (1, 0)
+
+
+def test_dropping_an_owners_prefetches_waits_for_one_pushed_out_while_read(tmp_path):
+    """A prefetch that a newer one pushes past the byte cap while it is read
+    is read on to its end: dropping its owner's prefetches waits for it, so
+    none of its rows is held when the call returns."""
+    row_bytes = 4 << 20
+    reference = np.random.default_rng(11).integers(0, 256, (8, row_bytes), dtype=np.uint8)
+    path = tmp_path / "t.safetensors"
+    save_file({"t": torch.from_numpy(reference)}, str(path))
+    with ple.Table.from_safetensors(path) as table:
+        table.config = ple.GatherConfig(policy="none", threads=1)
+        table.drop_page_cache()  # cold: the first prefetch is still read when the second comes
+        table.prefetch(torch.arange(8), owner=1)
+        time.sleep(0.02)  # the prefetch thread starts reading it
+        table.prefetch(torch.arange(57) % 8, owner=2)  # 8 + 57 rows of 4 MiB: over 256 MiB
+        if table.prefetched_bytes(1) == 0:
+            pytest.skip("the first prefetch was not being read when the second pushed it out")
+        table.drop_prefetches(1)
+        assert table.prefetched_bytes(1) == 0
+        table.drop_prefetches(2)
+        ids = torch.tensor([7, 0, 3])
+        assert np.array_equal(table.gather_bytes(ids).numpy(), reference[ids.numpy()])

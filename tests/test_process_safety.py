@@ -264,6 +264,49 @@ def test_fork_while_another_thread_gathers(small_table):
     assert "children: [0, 0, 0, 0, 0, 0, 0, 0, 0, 0]" in out, out
 
 
+def test_a_forked_child_gives_back_the_row_cache_pins_of_the_parents_prefetch(cold_table):
+    """The prefetch being read at a fork is the parent's thread's, which the
+    child does not have: nothing in the child would give back the row-cache
+    slots it pinned.  The child starts with no slot pinned, gathers the
+    right bytes, and its own prefetches pin and give back as usual."""
+    result = run_script("""
+        from ple.kernels.native import native
+        t = ple.Table.from_safetensors(PATH)
+        t.config = ple.GatherConfig("none", 0, 1, row_cache_mib=64)
+        h = t._native_handle()
+        ids = torch.arange(0, t.num_rows, 16)   # 262,144 rows on 65,536 pages
+        t.drop_page_cache()
+        few = ids[:5000]
+        check(few, t.gather_bytes(few))   # cached: the prefetch pins them first, then reads cold
+        t.prefetch(ids)
+        deadline = time.monotonic() + 10
+        while native.row_cache_pinned_rows(h) == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        pinned_at_fork = native.row_cache_pinned_rows(h)
+        pid = os.fork()
+        if pid == 0:
+            try:
+                assert native.row_cache_pinned_rows(h) == 0, native.row_cache_pinned_rows(h)
+                check(few, t.gather_bytes(few))
+                t.prefetch(few)
+                while t.prefetched_bytes() and native.row_cache_pinned_rows(h) < few.numel():
+                    time.sleep(0.01)
+                assert native.row_cache_pinned_rows(h) == few.numel()
+                check(few, t.gather_bytes(few))
+                assert native.row_cache_pinned_rows(h) == 0
+                os._exit(0)
+            except BaseException:
+                traceback.print_exc()
+                os._exit(1)
+        print("child:", wait_child(pid, 60))
+        if not 0 < pinned_at_fork < ids.numel():
+            print(f"EARLY: {pinned_at_fork} rows pinned at the fork")
+        t.close()
+    """, cold_table, timeout=120)
+    skip_if_early(result)
+    expect_ok(result, "child: 0")
+
+
 # Signals ------------------------------------------------------------------------
 
 LONG_GATHER = """
