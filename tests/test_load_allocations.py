@@ -24,17 +24,13 @@ from transformers import (Gemma3nForCausalLM, Gemma3nTextConfig, Qwen4ExpForCaus
 from allocations import recording  # noqa: E402
 from helpers import quiet_transformers  # noqa: E402, F401 (an autouse fixture)
 from ple.integrations.transformers import close_tables, from_pretrained  # noqa: E402
-from test_transformers_integration import QWEN_CONFIG  # noqa: E402
+from test_transformers_integration import GEMMA_CONFIG, QWEN_CONFIG  # noqa: E402
 
 # Gemma 3n's per-layer table, 256 x (4 layers x 64) float32 (256 KiB), is
 # four times its next largest tensor (embed_tokens, 256 x 64); Qwen4Exp's
 # n-gram tables, of about 20,000 rows, outgrow its other tensors.
-GEMMA_CONFIG = dict(
-    vocab_size=256, vocab_size_per_layer_input=256, hidden_size=64, hidden_size_per_layer_input=64,
-    intermediate_size=128, num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=1,
-    head_dim=32, num_kv_shared_layers=2, laurel_rank=8, sliding_window=16,
-    layer_types=["sliding_attention", "full_attention"] * 2, activation_sparsity_pattern=[0.0] * 4,
-    altup_num_inputs=2, max_position_embeddings=128, tie_word_embeddings=False)
+GEMMA_CONFIG = {**GEMMA_CONFIG, "vocab_size_per_layer_input": 256,
+                "hidden_size_per_layer_input": 64}
 MODELS = {
     "gemma3n": (Gemma3nForCausalLM, Gemma3nTextConfig(**GEMMA_CONFIG), "embed_tokens_per_layer"),
     "qwen4exp": (Qwen4ExpForCausalLM, Qwen4ExpTextConfig(**{**QWEN_CONFIG,
