@@ -174,9 +174,10 @@ uint64_t io_block_bytes(int64_t handle) { return ple::find_table(handle)->io_blo
 // ids.numel() * row_bytes bytes.  The caller (ops/) checks shapes and dtypes,
 // and fills the rows of ids in `resident` from its tiers.  `for_tiers`: the
 // rows are being read into the tiers, so no prefetch serves them and the row
-// cache neither serves nor keeps them.
+// cache neither serves nor keeps them.  `owner`: the gather's prefetch owner,
+// whose plan it may be a forward of (MappedTable::gather).
 void read_rows(int64_t handle, const torch::Tensor& ids, torch::Tensor& out, ple::ResidentRange resident,
-               bool for_tiers) {
+               bool for_tiers, uint64_t owner = 0) {
   TORCH_CHECK(ids.device().is_cpu() && ids.is_contiguous(), "ids must be a contiguous CPU tensor");
   TORCH_CHECK(ids.scalar_type() == torch::kInt64 || ids.scalar_type() == torch::kInt32,
               "ids must be int32 or int64");
@@ -196,7 +197,7 @@ void read_rows(int64_t handle, const torch::Tensor& ids, torch::Tensor& out, ple
       ple::gather_rows(*table, id_data, is_int64, ids.numel(), out_data, resident,
                        /*use_row_cache=*/false, stop);
     } else {
-      table->gather(id_data, is_int64, ids.numel(), out_data, resident);
+      table->gather(id_data, is_int64, ids.numel(), out_data, resident, 0, owner);
     }
   } catch (...) {
     signals.raise_if_raised();
@@ -214,6 +215,32 @@ uint64_t prefetch(int64_t handle, const torch::Tensor& ids, int64_t resident_beg
   std::vector<int64_t> copy(data, data + ids.numel());
   py::gil_scoped_release no_gil;
   return table->prefetch(std::move(copy), {resident_begin, resident_end}, owner);
+}
+
+// Starts `owner`'s plan on a table: `ids` holds its chunks back to back
+// (contiguous int64, CPU), `sizes` their lengths (PrefetchQueue::plan).
+uint64_t plan_prefetches(int64_t handle, uint64_t owner, const torch::Tensor& ids,
+                         const std::vector<int64_t>& sizes, uint64_t max_bytes,
+                         int64_t resident_begin, int64_t resident_end) {
+  TORCH_CHECK(ids.device().is_cpu() && ids.is_contiguous() && ids.scalar_type() == torch::kInt64,
+              "a plan's ids must be a contiguous int64 CPU tensor");
+  int64_t total = 0;
+  for (const int64_t size : sizes) {
+    TORCH_CHECK(size > 0, "a plan's chunks hold ids, not ", size);
+    total += size;
+  }
+  TORCH_CHECK(total == ids.numel(), "a plan's chunks hold ", total, " ids, not ", ids.numel());
+  const int64_t* data = ids.data_ptr<int64_t>();
+  std::vector<std::vector<int64_t>> chunks;
+  chunks.reserve(sizes.size());
+  for (const int64_t size : sizes) {
+    chunks.emplace_back(data, data + size);
+    data += size;
+  }
+  auto table = ple::find_table(handle);
+  py::gil_scoped_release no_gil;  // it waits for a read of the plan it replaces
+  return table->plan_prefetches(owner, std::move(chunks), max_bytes,
+                                {resident_begin, resident_end});
 }
 
 // Raises `type` with `what`, decoded as Python decodes file names: messages
@@ -247,6 +274,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   });
   m.attr("torch_version") = PLE_STRINGIFY(PLE_TORCH_VERSION);
   m.attr("MAX_THREADS") = ple::kMaxThreads;
+  m.attr("MAX_PENDING_BYTES") = ple::PrefetchQueue::kMaxPendingBytes;
   m.attr("CONFIG_FIELDS") = config_fields();
   m.attr("POLICIES") = choice_names(ple::kPolicies);
   m.attr("IO_MODES") = choice_names(ple::kIoModes);
@@ -277,8 +305,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def(
       "gather",
       [](int64_t handle, const torch::Tensor& ids, torch::Tensor& out, int64_t resident_begin,
-         int64_t resident_end) { read_rows(handle, ids, out, {resident_begin, resident_end}, false); },
-      "Copies rows ids of a table into out");
+         int64_t resident_end, uint64_t owner) {
+        read_rows(handle, ids, out, {resident_begin, resident_end}, false, owner);
+      },
+      "Copies rows ids of a table into out, for a prefetch owner (0: none)");
   m.def(
       "read_for_tiers",
       [](int64_t handle, const torch::Tensor& ids, torch::Tensor& out) {
@@ -302,6 +332,24 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       py::call_guard<py::gil_scoped_release>(),
       "Drops an owner's (None: every) prefetches up to a ticket that no gather has taken; returns "
       "their bytes once none of them is read");
+  m.def("plan_prefetches", &plan_prefetches,
+        "Starts an owner's plan: chunks of ids read ahead of its gathers within a bound; returns "
+        "its number (0: none started)");
+  // Without the GIL: they wait for the prefetch being read.
+  m.def(
+      "end_plan",
+      [](int64_t handle, uint64_t owner, std::optional<uint64_t> plan) {
+        ple::find_table(handle)->end_plan(owner, plan);
+      },
+      py::call_guard<py::gil_scoped_release>(),
+      "Ends an owner's plan (None: whichever it has) and drops what it read ahead");
+  m.def(
+      "planning",
+      [](int64_t handle, uint64_t owner, std::optional<uint64_t> plan) {
+        return ple::find_table(handle)->planning(owner, plan);
+      },
+      py::call_guard<py::gil_scoped_release>(),
+      "Whether an owner's plan (None: any) has chunks to come");
   m.def(
       "row_cache_pinned_rows",
       [](int64_t handle) {
@@ -321,13 +369,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def(
       "launch_host_gather",
       [](uintptr_t stream, int64_t handle, uintptr_t ids, int64_t n, int64_t resident_begin,
-         int64_t resident_end, uintptr_t staging, uintptr_t status, bool capturing) {
+         int64_t resident_end, uintptr_t staging, uintptr_t status, bool capturing, uint64_t owner) {
         ple::launch_host_gather({handle, stream, reinterpret_cast<const int64_t*>(ids), n,
                                  {resident_begin, resident_end}, reinterpret_cast<uint8_t*>(staging),
-                                 reinterpret_cast<int32_t*>(status)},
+                                 reinterpret_cast<int32_t*>(status), owner},
                                 capturing);
       },
-      "Enqueues the gather of pinned ids into pinned staging on a CUDA stream");
+      "Enqueues the gather of pinned ids into pinned staging on a CUDA stream, for a prefetch "
+      "owner (0: none)");
   m.def("graph_gather_mechanism", &ple::graph_gather_mechanism,
         "How a gather captured in a CUDA graph now runs: \"doorbell\" or \"host_func\"");
   m.def("register_host_memory", [](uintptr_t data, size_t bytes, int device) {

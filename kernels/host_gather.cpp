@@ -99,7 +99,7 @@ void run_host_gather(const HostGatherJob& job) {
   try {
     std::shared_ptr<MappedTable> table = find_table(job.handle);
     table->gather(job.ids, /*ids_are_int64=*/true, job.n, job.staging, job.resident,
-                  host_gather_threads());
+                  host_gather_threads(), job.owner);
     *job.status = 0;
   } catch (const std::exception& error) {
     record_error(job, error.what());

@@ -21,6 +21,7 @@ struct HostGatherJob {
   ResidentRange resident;  // fixed at launch: a captured graph keeps its tiers
   uint8_t* staging;        // n * row_bytes
   int32_t* status;         // 0 when the rows in staging are this job's, else 1
+  uint64_t owner = 0;      // the gather's prefetch owner: its plan advances as the job runs
 };
 
 // Runs `job` on the calling thread; never throws: a failure sets the status

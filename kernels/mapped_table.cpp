@@ -109,6 +109,19 @@ MappedTable::~MappedTable() {
 
 void MappedTable::shut_down() { prefetch_.shut_down(); }
 
+uint64_t MappedTable::plan_prefetches(uint64_t owner, std::vector<std::vector<int64_t>> chunks,
+                                      uint64_t max_bytes, ResidentRange resident) {
+  return prefetch_.plan(owner, std::move(chunks), max_bytes, resident);
+}
+
+void MappedTable::end_plan(uint64_t owner, std::optional<uint64_t> plan) {
+  prefetch_.end_plan(owner, plan);
+}
+
+bool MappedTable::planning(uint64_t owner, std::optional<uint64_t> plan) {
+  return prefetch_.planning(owner, plan);
+}
+
 uint64_t MappedTable::drop_prefetches(std::optional<uint64_t> owner, uint64_t through) {
   return prefetch_.drop_untaken(owner, through);
 }
@@ -135,23 +148,31 @@ void MappedTable::unlock_after_fork(bool in_child) {
 }
 
 void MappedTable::gather(const void* ids, bool ids_are_int64, int64_t n, uint8_t* out,
-                         ResidentRange resident, int64_t max_threads) {
-  Interruption stop;  // the calling thread's poll, if it has one
-  int64_t taken = 0;
-  switch (prefetch_.take(ids, ids_are_int64, n, out, resident, stop, taken)) {
-    case PrefetchQueue::Taken::kHit:
-      ++counters_.prefetch_hits;
-      if (taken == n) return;
-      break;  // a padded request: its rows after the prefetch's are read here
-    case PrefetchQueue::Taken::kMissed:
-      ++counters_.prefetch_misses;
-      break;
-    case PrefetchQueue::Taken::kNothingPending:
-      break;
+                         ResidentRange resident, int64_t max_threads, uint64_t owner) {
+  // The plan this gather is a forward of: a gather that fails ends it.
+  const uint64_t plan = owner == 0 ? 0 : prefetch_.plan_of(owner);
+  try {
+    Interruption stop;  // the calling thread's poll, if it has one
+    int64_t taken = 0;
+    switch (prefetch_.take(ids, ids_are_int64, n, out, resident, stop, taken, owner)) {
+      case PrefetchQueue::Taken::kHit:
+        ++counters_.prefetch_hits;
+        if (taken == n) return;
+        break;  // a padded request: its rows after the prefetch's are read here
+      case PrefetchQueue::Taken::kMissed:
+        ++counters_.prefetch_misses;
+        break;
+      case PrefetchQueue::Taken::kNothingPending:
+        break;
+    }
+    const size_t id_bytes = ids_are_int64 ? sizeof(int64_t) : sizeof(int32_t);
+    gather_rows(*this, static_cast<const uint8_t*>(ids) + taken * id_bytes, ids_are_int64,
+                n - taken, out + taken * row_bytes_, resident, /*use_row_cache=*/true, stop,
+                max_threads);
+  } catch (...) {
+    if (plan != 0) prefetch_.end_plan(owner, plan);
+    throw;
   }
-  const size_t id_bytes = ids_are_int64 ? sizeof(int64_t) : sizeof(int32_t);
-  gather_rows(*this, static_cast<const uint8_t*>(ids) + taken * id_bytes, ids_are_int64, n - taken,
-              out + taken * row_bytes_, resident, /*use_row_cache=*/true, stop, max_threads);
 }
 
 uint64_t MappedTable::prefetch(std::vector<int64_t> ids, ResidentRange resident, uint64_t owner) {

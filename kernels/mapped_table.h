@@ -101,13 +101,21 @@ class MappedTable {
   // The rows `ids` into `out` (see gather_rows, and its `max_threads`),
   // taken from a pending prefetch of the same ids, or of the first of them,
   // when there is one (PrefetchQueue::take; its rows of resident ids are
-  // zeros: the caller fills those either way).
+  // zeros: the caller fills those either way).  A gather of `owner` (not 0)
+  // is a forward of the owner's plan, if it has one (PrefetchQueue::take);
+  // one that throws ends that plan.
   void gather(const void* ids, bool ids_are_int64, int64_t n, uint8_t* out, ResidentRange resident,
-              int64_t max_threads = 0);
+              int64_t max_threads = 0, uint64_t owner = 0);
 
   // Queues the gather of `ids` for `owner` on the table's prefetch thread;
   // returns its ticket (PrefetchQueue::push).
   uint64_t prefetch(std::vector<int64_t> ids, ResidentRange resident, uint64_t owner);
+
+  // The plan of `owner`'s next gathers (PrefetchQueue::plan, end_plan, planning).
+  uint64_t plan_prefetches(uint64_t owner, std::vector<std::vector<int64_t>> chunks,
+                           uint64_t max_bytes, ResidentRange resident);
+  void end_plan(uint64_t owner, std::optional<uint64_t> plan = std::nullopt);
+  bool planning(uint64_t owner, std::optional<uint64_t> plan = std::nullopt);
 
   // Drops the prefetches of `owner` (all: nullopt), up to ticket `through`,
   // that no gather has taken; returns their bytes (PrefetchQueue::drop_untaken).

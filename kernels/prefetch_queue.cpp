@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <cstring>
 #include <new>
+#include <stdexcept>
+#include <string>
 #include <utility>
 
 namespace ple {
@@ -17,6 +19,7 @@ void PrefetchQueue::shut_down() {
   {
     std::lock_guard<std::mutex> lock(mutex_);
     stopping_ = true;
+    plans_.clear();
     for (const auto& request : pending_) request->cancel.store(true);
     if (running_ != nullptr) running_->cancel.store(true);
     worker = std::move(worker_);
@@ -36,6 +39,11 @@ void PrefetchQueue::shut_down() {
 
 uint64_t PrefetchQueue::drop_untaken(std::optional<uint64_t> owner, uint64_t through) {
   std::unique_lock<std::mutex> lock(mutex_);
+  return drop_locked(lock, owner, through);
+}
+
+uint64_t PrefetchQueue::drop_locked(std::unique_lock<std::mutex>& lock,
+                                    std::optional<uint64_t> owner, uint64_t through) {
   std::shared_ptr<PrefetchRequest> running;
   uint64_t dropped = 0;
   for (auto it = pending_.begin(); it != pending_.end();) {
@@ -62,6 +70,10 @@ uint64_t PrefetchQueue::drop_untaken(std::optional<uint64_t> owner, uint64_t thr
 
 uint64_t PrefetchQueue::held_bytes(std::optional<uint64_t> owner) {
   std::lock_guard<std::mutex> lock(mutex_);
+  return held_locked(owner);
+}
+
+uint64_t PrefetchQueue::held_locked(std::optional<uint64_t> owner) const {
   uint64_t held = 0;
   for (const auto& request : pending_) {
     if (!request->taken && (!owner || request->owner == *owner)) held += bytes_of(*request);
@@ -72,6 +84,77 @@ uint64_t PrefetchQueue::held_bytes(std::optional<uint64_t> owner) {
     held += bytes_of(*running_);
   }
   return held;
+}
+
+uint64_t PrefetchQueue::plan(uint64_t owner, std::vector<std::vector<int64_t>> chunks,
+                             uint64_t max_bytes, ResidentRange resident) {
+  if (max_bytes == 0 || max_bytes > kMaxPendingBytes) {
+    throw std::invalid_argument("a plan's bound is more than 0 and at most " +
+                                std::to_string(kMaxPendingBytes) + " bytes, not " +
+                                std::to_string(max_bytes));
+  }
+  std::unique_lock<std::mutex> lock(mutex_);
+  // Another thread may plan for the owner while this one waits for a read
+  // of the plan it ends: the two never hold rows together.
+  do {
+    end_plan_locked(lock, owner);
+  } while (plans_.count(owner) != 0);
+  if (stopping_ || chunks.empty()) return 0;
+  Plan& plan = plans_[owner];
+  plan.number = ++last_plan_;
+  plan.max_bytes = max_bytes;
+  for (auto& chunk : chunks) plan.coming.push_back(std::move(chunk));
+  const uint64_t number = plan.number;
+  read_ahead_locked(owner, resident);
+  lock.unlock();
+  changed_.notify_all();
+  return number;
+}
+
+void PrefetchQueue::end_plan(uint64_t owner, std::optional<uint64_t> plan) {
+  std::unique_lock<std::mutex> lock(mutex_);
+  if (plan) {
+    auto it = plans_.find(owner);
+    if (it == plans_.end() || it->second.number != *plan) return;
+  }
+  end_plan_locked(lock, owner);
+}
+
+bool PrefetchQueue::planning(uint64_t owner, std::optional<uint64_t> plan) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  auto it = plans_.find(owner);
+  return it != plans_.end() && (!plan || it->second.number == *plan);
+}
+
+uint64_t PrefetchQueue::plan_of(uint64_t owner) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  auto it = plans_.find(owner);
+  return it == plans_.end() ? 0 : it->second.number;
+}
+
+void PrefetchQueue::end_plan_locked(std::unique_lock<std::mutex>& lock, uint64_t owner) {
+  plans_.erase(owner);
+  drop_locked(lock, owner, UINT64_MAX);
+}
+
+void PrefetchQueue::read_ahead_locked(uint64_t owner, ResidentRange resident) {
+  auto it = plans_.find(owner);
+  if (it == plans_.end()) return;
+  Plan& plan = it->second;
+  while (!plan.coming.empty()) {
+    const uint64_t held = held_locked(owner);
+    const uint64_t bytes = plan.coming.front().size() * static_cast<uint64_t>(row_bytes_);
+    if (held != 0 && held + bytes > plan.max_bytes) break;
+    const auto n = static_cast<int64_t>(plan.coming.front().size());
+    const uint64_t ticket = push_locked(std::move(plan.coming.front()), resident, owner);
+    plan.coming.pop_front();
+    if (ticket == 0) {  // shutting down
+      plan.coming.clear();
+      break;
+    }
+    plan.read.emplace_back(ticket, n);
+  }
+  if (plan.read.empty()) plans_.erase(it);
 }
 
 void PrefetchQueue::lock_for_fork() { mutex_.lock(); }
@@ -88,36 +171,43 @@ void PrefetchQueue::unlock_after_fork(bool in_child) {
     pending_.erase(std::remove_if(pending_.begin(), pending_.end(),
                                   [](const auto& request) { return !request->done || request->taken; }),
                    pending_.end());
+    plans_.clear();
   }
   mutex_.unlock();
 }
 
 uint64_t PrefetchQueue::push(std::vector<int64_t> ids, ResidentRange resident, uint64_t owner) {
+  uint64_t ticket;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    ticket = push_locked(std::move(ids), resident, owner);
+  }
+  if (ticket != 0) changed_.notify_all();
+  return ticket;
+}
+
+uint64_t PrefetchQueue::push_locked(std::vector<int64_t> ids, ResidentRange resident,
+                                    uint64_t owner) {
+  if (stopping_) return 0;
   auto request = std::make_shared<PrefetchRequest>();
   request->ids = std::move(ids);
   request->resident = resident;
   request->owner = owner;
-  uint64_t ticket;
-  {
-    std::lock_guard<std::mutex> lock(mutex_);
-    if (stopping_) return 0;
-    if (worker_ == nullptr) worker_ = std::make_unique<std::thread>([this] { run(); });
-    ticket = request->ticket = ++last_ticket_;
-    uint64_t held = bytes_of(*request);
-    for (const auto& queued : pending_) held += queued->taken ? 0 : bytes_of(*queued);
-    // Oldest first; a running one is cancelled (no gather can take it now).
-    for (auto it = pending_.begin(); held > kMaxPendingBytes && it != pending_.end();) {
-      if ((*it)->taken) {
-        ++it;
-        continue;
-      }
-      held -= bytes_of(**it);
-      (*it)->cancel.store(true);
-      it = pending_.erase(it);
+  if (worker_ == nullptr) worker_ = std::make_unique<std::thread>([this] { run(); });
+  const uint64_t ticket = request->ticket = ++last_ticket_;
+  uint64_t held = bytes_of(*request);
+  for (const auto& queued : pending_) held += queued->taken ? 0 : bytes_of(*queued);
+  // Oldest first; a running one is cancelled (no gather can take it now).
+  for (auto it = pending_.begin(); held > kMaxPendingBytes && it != pending_.end();) {
+    if ((*it)->taken) {
+      ++it;
+      continue;
     }
-    pending_.push_back(std::move(request));
+    held -= bytes_of(**it);
+    (*it)->cancel.store(true);
+    it = pending_.erase(it);
   }
-  changed_.notify_all();
+  pending_.push_back(std::move(request));
   return ticket;
 }
 
@@ -158,7 +248,7 @@ void PrefetchQueue::run() {
 
 PrefetchQueue::Taken PrefetchQueue::take(const void* ids, bool ids_are_int64, int64_t n,
                                          uint8_t* out, ResidentRange resident, Interruption& stop,
-                                         int64_t& rows_taken) {
+                                         int64_t& rows_taken, uint64_t owner) {
   rows_taken = 0;
   // Whether a prefetch's ids (int64) are the first of the request's; a
   // request of int32 ids is compared value by value.
@@ -169,19 +259,46 @@ PrefetchQueue::Taken PrefetchQueue::take(const void* ids, bool ids_are_int64, in
     const auto* narrow = static_cast<const int32_t*>(ids);
     return std::equal(queued.begin(), queued.end(), narrow);
   };
+  // Of two that lead the request: the owner's, then the one of more ids.
+  auto better = [&](const PrefetchRequest& a, const PrefetchRequest& b) {
+    const bool a_own = owner != 0 && a.owner == owner, b_own = owner != 0 && b.owner == owner;
+    if (a_own != b_own) return a_own;
+    return a.ids.size() > b.ids.size();
+  };
   std::unique_lock<std::mutex> lock(mutex_);
   bool others = false;
   std::shared_ptr<PrefetchRequest> request;
   for (const auto& queued : pending_) {
     if (queued->taken) continue;
     if (queued->resident == resident && leads(queued->ids)) {
-      if (request == nullptr || queued->ids.size() > request->ids.size()) request = queued;
+      if (request == nullptr || better(*queued, *request)) request = queued;
     } else {
       others = true;
     }
   }
+  if (request != nullptr) request->taken = true;  // nobody drops it now: the worker will get to it
+  if (owner != 0) {
+    auto plan = plans_.find(owner);
+    if (plan != plans_.end()) {
+      const auto& next = plan->second.read.front();
+      if (request != nullptr && request->owner == owner && request->ticket == next.first &&
+          n == next.second) {
+        plan->second.read.pop_front();
+        bool read = false;
+        try {
+          read_ahead_locked(owner, resident);
+          read = true;
+        } catch (const std::exception&) {
+          // No memory for the next chunk: the plan ends, this gather goes on.
+        }
+        if (!read) end_plan_locked(lock, owner);
+        changed_.notify_all();
+      } else {
+        end_plan_locked(lock, owner);  // other ids, or another size: not the plan's forward
+      }
+    }
+  }
   if (request == nullptr) return others ? Taken::kMissed : Taken::kNothingPending;
-  request->taken = true;  // nobody drops it now: the worker will get to it
   while (!changed_.wait_for(lock, kPollInterval, [&] { return request->done; })) {
     lock.unlock();
     try {
@@ -201,5 +318,4 @@ PrefetchQueue::Taken PrefetchQueue::take(const void* ids, bool ids_are_int64, in
   rows_taken = static_cast<int64_t>(request->ids.size());
   return Taken::kHit;
 }
-
 }  // namespace ple

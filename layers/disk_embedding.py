@@ -11,8 +11,8 @@ from ple.formats import OUTPUT_DTYPES
 from ple.safetensors_tables import PathsLike
 from ple.table import Table
 
-from .lookahead import DEFAULT_MAX_BYTES, Lookahead, LooksAhead, chunk_ids
-from .parallel import PlacesServedRows, RowSplit, gather, prefetch
+from .lookahead import LooksAhead
+from .parallel import PlacesServedRows, RowSplit, gather, layer_ids
 
 # disk_gather's dtypes, and float64, which the rows are widened to from float32.
 DTYPES = (*OUTPUT_DTYPES, torch.float64)
@@ -177,38 +177,30 @@ class DiskEmbedding(LooksAhead, PlacesServedRows, torch.nn.Module):
         super().__setattr__(name, value)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        if self._lookahead is None:
-            return self._rows(ids)
-        return self._gather_planned(self._rows, ids)
-
-    def _rows(self, ids: torch.Tensor) -> torch.Tensor:
+        ids = layer_ids(ids)
         dtype = self.dtype
+        owner = self.prefetch_owner
         if dtype in OUTPUT_DTYPES:
             # The decoders' float32 product of the values and weight_scale,
             # rounded once to dtype, is torch's product in dtype
             # (ple.formats.applied_scale).
-            return gather(self.table, ids, dtype, self.split, self.round_scale, self._scale_value)
+            return gather(self.table, ids, dtype, self.split, self.round_scale, self._scale_value,
+                          owner)
         if dtype not in DTYPES:  # cast by .to() to a dtype no table's values widen to exactly
             raise TypeError(f"DiskEmbedding gives rows in {DTYPES}, not {dtype}")
         if self._holds_scale():
             # float64: the values (exact in float32) times weight_scale, in float64.
-            values = gather(self.table, ids, torch.float32, self.split, scale=1.0)
+            values = gather(self.table, ids, torch.float32, self.split, scale=1.0, owner=owner)
             return values.to(dtype) * self.weight_scale
-        return gather(self.table, ids, torch.float32, self.split).to(dtype)
+        return gather(self.table, ids, torch.float32, self.split, owner=owner).to(dtype)
 
-    def prefetch(self, ids: torch.Tensor) -> None:
-        """Starts reading the rows of a later ``forward`` of ids equal to these
-        (on the CPU), so that its gather takes them instead of reading them itself."""
-        prefetch(self.table, ids, self.split)
-
-    def lookahead(self, ids: torch.Tensor, chunk_size: int,
-                  max_bytes: int = DEFAULT_MAX_BYTES, dim: int = -1) -> Lookahead | None:
-        """The next forwards are of ``ids`` in chunks, ``ids.split(chunk_size,
-        dim)`` in order (as transformers' chunked prefill splits a prompt
-        ``[batch, length]``): their rows are read ahead, at most ``max_bytes``
-        beyond the chunk being gathered (``ple.layers.lookahead``).
-        Returns the plan (None: no chunks), for ``end_lookahead(plan)``."""
-        return self._look_ahead(chunk_ids(ids, chunk_size, dim), max_bytes)
+    def row_ids(self, token_ids: torch.Tensor, seq_ids: torch.Tensor | None = None,
+                context: torch.Tensor | None = None) -> torch.Tensor:
+        """The table rows a forward of ``token_ids`` gathers: the ids
+        themselves, as CPU int64 of their shape.  A row is its id's alone:
+        ``seq_ids`` and ``context`` (an n-gram layer's arguments, which
+        :class:`NGramEmbedding` hashes) change nothing."""
+        return layer_ids(token_ids).to("cpu", torch.int64)
 
     def close(self) -> None:
         """Closes the table (unmaps its files); the module cannot run after."""

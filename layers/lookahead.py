@@ -3,53 +3,59 @@ current chunk computes.
 
 A chunked prefill runs the model once per chunk of the prompt, and the rows
 of chunk k + 1 are known before chunk k runs.  A layer told the coming
-chunks (``layer.lookahead(...)``) prefetches their rows (``Table.prefetch``)
-on the table's prefetch thread, at most ``max_bytes`` of rows ahead of the
-chunk being gathered; each forward takes its chunk's rows from its prefetch
-instead of reading them, and then prefetches the chunks that fit again.  So
-each chunk waits for the larger of its compute and its reads, not their sum.
+chunks (``layer.lookahead(layer.row_ids(prompt), chunk_size)``) gives them to
+its table as a plan (``Table.plan_prefetches``) under the layer's own
+prefetch owner: the table prefetches them on its prefetch thread, at most
+``max_bytes`` of rows ahead of the chunk being gathered, and each forward's
+gather takes its chunk's rows from its prefetch instead of reading them, and
+lets the chunks that fit again be read.  So each chunk waits for the larger
+of its compute and its reads, not their sum.
 
-The bound holds whatever the forwards do.  A plan's prefetches are its own
-(an owner of the table's prefetches, :class:`ReadAhead`): the bound counts
-every row they hold, as the table reports it, until a gather takes them or
-the plan drops them, and ending a plan drops its own prefetches alone (other
-layers on the same table keep theirs).  A forward of another size than the
-next chunk's, a forward that leaves its chunk's prefetch untaken (other ids:
-the plan did not foresee them) and a forward that raises each end the plan,
-dropping what it read ahead; the forwards after it read their own rows.  The
-bytes are right either way; ``prefetch_hits`` counts the chunks served.
+The plan lives in the table's prefetch queue, and advances inside the
+gathers when they run (on the host, in a CUDA stream's host function, on a
+captured graph's replays); the forward only passes the layer's owner to
+``disk_gather``.  So a forward has no branch and no bookkeeping of its own: a
+compiled forward (``torch.compile(fullgraph=True)``) and a captured CUDA
+graph replayed per chunk look ahead as the eager forward does, and a
+forward enqueued on a GPU ahead of the stream counts nothing before its
+gather runs.
+
+The bound holds whatever the forwards do.  A plan's prefetches are its
+owner's: the bound counts every row they hold, as the table reports it, until
+a gather takes them or the plan drops them, and ending a plan drops its own
+prefetches alone (other layers on the same table keep theirs).  A gather of
+the layer's of other ids than the next chunk's (ids the plan did not foresee,
+or another size) and a gather that raises each end the plan, dropping what
+it read ahead; the forwards after it read their own rows.  The bytes are
+right either way; ``prefetch_hits`` counts the chunks served.
 ``end_lookahead()`` drops what was read ahead and not gathered, and returns
-once none of it is being read.
-
-A plan changes its state under its own lock, so forwards on several threads
-and a thread that plans anew see whole plans: a forward takes the layer's
-plan once, and a plan ended meanwhile ignores it.
+once none of it is being read; so does collecting the layer.  The plan
+changes under the queue's lock, so forwards on several threads and a thread
+that plans anew see whole plans.
 """
 
 from __future__ import annotations
 
 import itertools
-import logging
-import threading
+import weakref
 from collections import deque
-from collections.abc import Callable
 
 import torch
 
+from ple.kernels.native import native
+from ple.ops.disk_gather import checked_ids
 from ple.table import Table
 
-from .parallel import RowSplit, prefetch
-
-logger = logging.getLogger(__name__)
+from .parallel import prefetch
 
 # Rows read ahead per layer by default, beyond the chunk being gathered: two
 # 2,048-token chunks of a 16-head n-gram layer of 160 B rows take 10.5 MB.
 DEFAULT_MAX_BYTES = 64 << 20
-# What a table's prefetches may hold before the oldest are dropped
-# (kernels/prefetch_queue.h, kMaxPendingBytes).
-MOST_BYTES = 256 << 20
+# What a table's prefetches may hold before the oldest are dropped.
+MOST_BYTES = native.MAX_PENDING_BYTES
 
-# Owners of prefetches (Table.prefetch's owner), one per ReadAhead; 0 is nobody's.
+# Owners of prefetches (Table.prefetch's owner): one per layer and per
+# ReadAhead; 0 is nobody's.
 _owners = itertools.count(1)
 
 
@@ -60,18 +66,31 @@ def check_max_bytes(max_bytes) -> None:
                          f"table's prefetches hold at most that), not {max_bytes!r}")
 
 
+def lookahead_mib(value, where: str) -> int:
+    """``value``, a lookahead bound in MiB (an int, 0 for no lookahead, at
+    most what a table's prefetches hold), set at ``where`` (the argument, the
+    variable or the key that gave it); a ValueError that names ``where``
+    otherwise."""
+    most = MOST_BYTES >> 20
+    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= most:
+        raise ValueError(f"ple: {where} must be MiB of rows read ahead, an integer in "
+                         f"[0, {most}] (0: no lookahead), not {value!r}")
+    return value
+
+
 class ReadAhead:
-    """The chunks of rows one reader has prefetched on a table for forwards to
-    come, in the order of those forwards, under an owner of its own: each
-    chunk is the tickets of its prefetches (one per module reading it).
+    """The chunks of rows one planner has prefetched on a table for forwards
+    that it steps itself (the vLLM plugin's, before and after each engine
+    step), in the order of those forwards, under an owner of its own: each
+    chunk is the tickets of its prefetches (one per module reading it).  A
+    layer's own plan lives in the table instead (``Table.plan_prefetches``).
 
     ``held_bytes`` is what the table says the owner's prefetches hold: the
     chunks not yet forwarded, and those whose gather a forward has enqueued
     on a GPU that has not reached it yet (the host thread runs ahead of the
     stream).  Once a forwarded chunk's gather has run, what it left of the
     chunk is dropped and the chunk counts as missed.  Not thread-safe: its
-    user (a layer's plan, under the plan's lock; the vLLM plugin's planner,
-    on its worker's thread) calls it from one thread at a time."""
+    user calls it from one thread at a time."""
 
     def __init__(self, table: Table, max_bytes: int):
         check_max_bytes(max_bytes)
@@ -137,175 +156,135 @@ class ReadAhead:
 
 
 class Lookahead:
-    """The coming chunks of one layer's forwards: their row ids (CPU int64,
-    each as one forward will gather it), and what is read ahead of them."""
+    """A plan that a layer's ``lookahead`` started on its table: the layer's
+    prefetch owner and the plan's number (``Table.plan_prefetches``)."""
 
-    def __init__(self, table: Table, split: RowSplit | None, chunks: list[torch.Tensor],
-                 max_bytes: int):
-        self._ahead = ReadAhead(table, max_bytes)
-        self.split = split
-        self._coming = deque(chunks)
-        self._sizes: deque[int] = deque()  # the ids of each chunk read ahead, not yet forwarded
-        self._lock = threading.Lock()
-        self.ended = False
-        with self._lock:
-            self._fill()
+    def __init__(self, table: Table, owner: int, number: int):
+        self.table = table
+        self.owner = owner
+        self.number = number
 
     @property
     def looking_ahead(self) -> bool:
-        """Whether chunks are still to be forwarded."""
-        with self._lock:
-            return not self.ended and bool(self._sizes)
+        """Whether chunks of this plan are still to be gathered."""
+        return self.table.planning(self.owner, self.number)
 
     @property
     def bytes_ahead(self) -> int:
-        """The rows' bytes that the plan's prefetches hold (0 once ended)."""
-        with self._lock:
-            if self.ended:
-                return 0
-            self._ahead.settle()
-            return self._ahead.held_bytes
-
-    def gathered(self, n: int, device: torch.device) -> bool:
-        """A forward has enqueued the gather of ``n`` ids on ``device``: reads
-        ahead what now fits.  Returns False when the plan has ended (the
-        chunks are done, ``n`` is not the next chunk's size, or a forward
-        left its chunk's rows untaken).  A plan whose last chunk's gather is
-        still in flight on a GPU goes on holding that chunk's rows until the
-        stream takes them, or the next forward or ``end`` ends it.  When
-        reading ahead fails after the gather, the plan ends and logs the error:
-        the forward's rows are gathered all the same."""
-        with self._lock:
-            if self.ended:
-                return False
-            if not self._sizes or self._sizes[0] != n:
-                self._end()
-                return False
-            try:
-                self._sizes.popleft()
-                self._ahead.forwarded(device)
-                self._fill()
-            except Exception:
-                # The forward's rows are gathered: a failure of the plan's own
-                # bookkeeping ends the plan, not the request.
-                logger.exception("ple: a lookahead plan ended: its reads ahead failed")
-                self._end()
-                return False
-            if self._ahead.missed or not self._sizes and not self._ahead.held_bytes:
-                self._end()
-                return False
-            return True
+        """The rows' bytes that the plan's prefetches hold (0 once it ended)."""
+        return self.table.prefetched_bytes(self.owner) if self.looking_ahead else 0
 
     def end(self) -> None:
-        """Drops the plan's prefetches that no gather has taken."""
-        with self._lock:
-            self._end()
-
-    def _fill(self) -> None:
-        """Prefetches the next chunks while they fit in max_bytes (always one)."""
-        row_bytes = self._ahead.table.row_bytes
-        while self._coming and not self._ahead.missed:
-            if not self._ahead.room_for(self._coming[0].numel() * row_bytes):
-                return
-            chunk = self._coming.popleft()
-            self._ahead.add([prefetch(self._ahead.table, chunk, self.split, self._ahead.owner)])
-            self._sizes.append(chunk.numel())
-
-    def _end(self) -> None:
-        self.ended = True
-        self._coming.clear()
-        self._sizes.clear()
-        self._ahead.end()
+        """Drops the plan's prefetches that no gather has taken, unless another
+        plan of the layer has replaced it."""
+        self.table.end_plan(self.owner, self.number)
 
 
 class LooksAhead:
-    """``lookahead`` for a layer over ``self.table`` and ``self.split``: the
-    layer's ``lookahead`` method builds the chunks' ids and calls
-    :meth:`_look_ahead`; while it has a plan, its forward gathers through
-    :meth:`_gather_planned`."""
+    """What the three layers share about the rows they gather: each layer has
+    ``table`` and ``split``, defines ``row_ids`` and gathers with
+    ``owner=self.prefetch_owner``; this gives it ``prefetch``, ``lookahead``
+    and ``end_lookahead``.  ``TOKEN_DIM``: the dimension of ``row_ids``'
+    output along which a prompt's tokens lie (the last for a token table; the
+    one before the hash heads for an n-gram layer)."""
 
-    _lookahead: Lookahead | None = None
+    TOKEN_DIM = -1
 
-    def _look_ahead(self, chunks: list[torch.Tensor], max_bytes: int) -> Lookahead | None:
-        """Makes the plan of ``chunks`` the layer's, and returns it (None: no chunks)."""
-        with self._plan_lock:
-            self._replace_plan(None)
-            if chunks:
-                self._replace_plan(Lookahead(self.table, self.split, chunks, max_bytes))
-            return self._lookahead
+    def __init__(self):
+        super().__init__()
+        # A number of its own: its plans' prefetches, and the gathers that
+        # advance them, are the layer's alone.
+        self.prefetch_owner = next(_owners)
 
-    @torch.compiler.disable
-    def _gather_planned(self, gather: Callable[..., torch.Tensor], *args) -> torch.Tensor:
-        """``gather(*args)``, the rows ``[*ids.shape, cols]`` of a forward's
-        ids, as a forward of the layer's plan: the plan takes it as its next
-        chunk, or ends (the forward raised, or was not its next chunk)."""
-        plan = self._lookahead
-        try:
-            rows = gather(*args)
-        except BaseException:
-            if plan is not None:
-                self._end_plan(plan)
-            raise
-        if plan is not None and not plan.gathered(rows.shape[:-1].numel(), rows.device):
-            self._end_plan(plan)
-        return rows
+    def row_ids(self, token_ids: torch.Tensor, seq_ids: torch.Tensor | None = None,
+                context: torch.Tensor | None = None) -> torch.Tensor:
+        """The table rows a forward of these arguments gathers (CPU int64)."""
+        raise NotImplementedError
 
-    @property
-    def _plan_lock(self) -> threading.Lock:
-        """Orders the changes of the layer's plan: a plan is ended before the
-        next one reads ahead, so that the two never hold rows together.  Made
-        at the first use (dict.setdefault is atomic), and left out of copies."""
-        return self.__dict__.setdefault("_plan_lock_", threading.Lock())
+    def prefetch(self, token_ids: torch.Tensor, seq_ids: torch.Tensor | None = None,
+                 context: torch.Tensor | None = None) -> None:
+        """Starts reading the rows of a later forward with these arguments
+        (equal to the ones that forward gets), so that its gather takes them
+        instead of reading them itself."""
+        prefetch(self.table, self.row_ids(token_ids, seq_ids, context), self.split)
 
-    def _replace_plan(self, plan: Lookahead | None) -> None:
-        """Makes ``plan`` the layer's, ending the one it replaces (under
-        ``_plan_lock``)."""
-        if self._lookahead is not None:
-            self._lookahead.end()
-        self._lookahead = plan
-
-    def _end_plan(self, plan: Lookahead) -> None:
-        """Ends ``plan``, and takes it from the layer unless another has replaced it."""
-        with self._plan_lock:
-            plan.end()
-            if self._lookahead is plan:
-                self._lookahead = None
+    def lookahead(self, row_ids: torch.Tensor, chunk_size: int,
+                  max_bytes: int = DEFAULT_MAX_BYTES, dim: int | None = None
+                  ) -> Lookahead | None:
+        """The next forwards are the chunks ``row_ids.split(chunk_size, dim)``
+        in order, ``row_ids`` being the rows of a whole prompt as
+        :meth:`row_ids` gives them (``dim``: ``TOKEN_DIM`` by default; a
+        batch ``[batch, length]`` is split along its length, as transformers'
+        chunked prefill splits it).  Their rows are read ahead, at most
+        ``max_bytes`` beyond the chunk being gathered (``ple.layers.lookahead``).
+        Replaces the layer's plan.  Returns the plan (None: no chunks, or
+        every row is in the table's tiers), for ``end_lookahead(plan)``."""
+        ids = checked_ids(row_ids, "ple: lookahead")
+        if ids.dtype not in (torch.int32, torch.int64):
+            raise TypeError(f"ple: lookahead takes row ids as an int32 or int64 tensor "
+                            f"(layer.row_ids(...)), not {ids.dtype}")
+        check_max_bytes(max_bytes)
+        chunks = chunk_ids(ids, chunk_size, self.TOKEN_DIM if dim is None else dim)
+        table = self.table
+        if ids.numel() == 0 or table.resident_range == (0, table.num_rows):
+            chunks = []  # nothing to read from the files
+        if self.split is not None:
+            chunks = [self.split.ids_to_gather(chunk) for chunk in chunks]
+        self._end_plan_when_collected()
+        number = table.plan_prefetches(self.prefetch_owner, chunks, max_bytes)
+        return Lookahead(table, self.prefetch_owner, number) if number else None
 
     def end_lookahead(self, plan: Lookahead | None = None) -> None:
         """Ends a ``lookahead`` plan: ``plan`` (one that ``lookahead``
         returned), or else the layer's.  The rows it read ahead and no gather
         took are dropped, and no read of them runs when this returns.  Other
-        prefetches of the table (another plan's, the layer's own included)
-        stay.  After ``close()`` there is nothing left to drop, and it does
-        nothing."""
+        prefetches of the table (another plan's, the layer's own
+        ``prefetch`` included) stay.  After ``close()`` there is nothing left
+        to drop, and it does nothing."""
         if plan is not None:
-            self._end_plan(plan)
-            return
-        with self._plan_lock:
-            self._replace_plan(None)
+            plan.end()
+        else:
+            self.table.end_plan(self.prefetch_owner)
 
     @property
     def looking_ahead(self) -> bool:
         """Whether a ``lookahead`` plan has chunks to come."""
-        plan = self._lookahead
-        return plan is not None and plan.looking_ahead
+        return self.table.planning(self.prefetch_owner)
 
     @property
     def lookahead_bytes(self) -> int:
         """The rows' bytes that the plan's prefetches hold, as the table
         counts them: chunks read ahead and not yet gathered, at most the
-        plan's ``max_bytes`` (or one chunk's, when that is larger); on a GPU,
-        a forwarded chunk counts until the stream has passed its gather."""
-        plan = self._lookahead
-        return 0 if plan is None else plan.bytes_ahead
+        plan's ``max_bytes`` (or one chunk's, when that is larger)."""
+        return self.table.prefetched_bytes(self.prefetch_owner)
+
+    def _end_plan_when_collected(self) -> None:
+        """Makes the layer's collection end its plan on its table: a plan
+        whose layer is gone gives back the rows and row-cache pins it holds
+        (on a table other layers keep open)."""
+        ends = self.__dict__.get("_ends_plan")
+        if ends is not None and ends.alive and ends.peek()[2][0]() is self.table:
+            return
+        ends = weakref.finalize(self, _end_plan, weakref.ref(self.table), self.prefetch_owner)
+        ends.atexit = False  # the process's end frees everything
+        self.__dict__["_ends_plan"] = ends
 
     def __getstate__(self) -> dict:
         """A copy (``copy.deepcopy``, pickling) has no plan: the original's
         prefetches are on the original's table."""
         state = dict(super().__getstate__())
-        state.pop("_lookahead", None)
-        state.pop("_plan_lock_", None)
+        state.pop("_ends_plan", None)
         return state
+
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)
+        self.prefetch_owner = next(_owners)  # a copy's gathers are not the original's
+
+
+def _end_plan(table: weakref.ref, owner: int) -> None:
+    opened = table()
+    if opened is not None:
+        opened.end_plan(owner)
 
 
 def chunk_ids(ids: torch.Tensor, chunk_size: int, dim: int) -> list[torch.Tensor]:

@@ -16,8 +16,8 @@ from ple.safetensors_tables import (PathsLike, find_table, missing_table, read_e
 from ple.table import Table
 
 from .ngram_ids import NGramConstants, NGramHashing, decoder_layer
-from .lookahead import DEFAULT_MAX_BYTES, Lookahead, LooksAhead, chunk_ids
-from .parallel import PlacesServedRows, RowSplit, gather, prefetch, served_rows
+from .lookahead import LooksAhead
+from .parallel import PlacesServedRows, RowSplit, gather, layer_ids, served_rows
 
 # The reference checkpoint's table, and where transformers' save_pretrained
 # puts the table of decoder layer {layer} (a published multimodal checkpoint
@@ -146,10 +146,14 @@ class NGramEmbedding(LooksAhead, PlacesServedRows, torch.nn.Module):
             table.close()
             raise
 
+    # row_ids gives [T, heads]: the tokens lie along the first dimension.
+    TOKEN_DIM = -2
+
     def row_ids(self, token_ids: torch.Tensor, seq_ids: torch.Tensor | None = None,
                 context: torch.Tensor | None = None) -> torch.Tensor:
-        """The table rows of each token, ``[T, heads]`` int64 (``NGramHashing.row_ids``)."""
-        return self.hashing.row_ids(token_ids, seq_ids, context)
+        """The table rows a forward of these arguments gathers: each token's,
+        ``[T, heads]`` CPU int64 (``NGramHashing.row_ids``)."""
+        return self._hashed_ids(token_ids, seq_ids, context).to("cpu")
 
     def forward(self, token_ids: torch.Tensor, seq_ids: torch.Tensor | None = None,
                 context: torch.Tensor | None = None) -> torch.Tensor:
@@ -157,37 +161,16 @@ class NGramEmbedding(LooksAhead, PlacesServedRows, torch.nn.Module):
         ``[T]`` each token's request, ``context`` ``[R, ngram_size - 1]`` each
         request's last tokens before this step, oldest first (see
         ``NGramHashing.row_ids``)."""
-        if self._lookahead is None:
-            rows = self._hashed_rows(token_ids, seq_ids, context)
-        else:
-            rows = self._gather_planned(self._hashed_rows, token_ids, seq_ids, context)
-        return rows.reshape(token_ids.shape[0], self.embedding_dim)
+        ids = self._hashed_ids(token_ids, seq_ids, context)
+        rows = gather(self.table, ids, self.dtype, self.split, self.round_scale,
+                      owner=self.prefetch_owner)
+        return rows.reshape(ids.shape[0], self.embedding_dim)
 
-    def _hashed_rows(self, token_ids: torch.Tensor, seq_ids: torch.Tensor | None,
-                     context: torch.Tensor | None) -> torch.Tensor:
-        """The rows of the tokens' hashed ids, ``[T, heads, cols]``."""
-        ids = self.row_ids(token_ids, seq_ids, context)
-        return gather(self.table, ids, self.dtype, self.split, self.round_scale)
-
-    def prefetch(self, token_ids: torch.Tensor, seq_ids: torch.Tensor | None = None,
-                 context: torch.Tensor | None = None) -> None:
-        """Starts reading the rows of a later ``forward`` with these arguments
-        (CPU tensors, equal to the ones that forward gets), so that its gather
-        takes them instead of reading them itself."""
-        prefetch(self.table, self.row_ids(token_ids, seq_ids, context), self.split)
-
-    def lookahead(self, token_ids: torch.Tensor, chunk_size: int,
-                  seq_ids: torch.Tensor | None = None, context: torch.Tensor | None = None,
-                  max_bytes: int = DEFAULT_MAX_BYTES) -> Lookahead | None:
-        """The next forwards are the chunks of a prompt: ``token_ids[i *
-        chunk_size:(i + 1) * chunk_size]`` in order, each given the same
-        slice of ``seq_ids`` and the context of the tokens before it (the
-        arguments, CPU tensors, are those of one forward of the whole
-        prompt).  Their rows are read ahead, at most ``max_bytes`` beyond the
-        chunk being gathered (``ple.layers.lookahead``).
-        Returns the plan (None: no chunks), for ``end_lookahead(plan)``."""
-        chunks = chunk_ids(self.row_ids(token_ids, seq_ids, context), chunk_size, dim=0)
-        return self._look_ahead(chunks, max_bytes)
+    def _hashed_ids(self, token_ids, seq_ids, context) -> torch.Tensor:
+        """The rows of the tokens, ``[T, heads]`` int64 on their device."""
+        seq_ids = None if seq_ids is None else layer_ids(seq_ids)
+        context = None if context is None else layer_ids(context)
+        return self.hashing.row_ids(layer_ids(token_ids), seq_ids, context)
 
     @property
     def served_rows(self) -> tuple[int, int]:

@@ -10,8 +10,8 @@ from ple.config import GatherConfig
 from ple.formats import OUTPUT_DTYPES
 from ple.table import Table
 
-from .lookahead import DEFAULT_MAX_BYTES, Lookahead, LooksAhead, chunk_ids
-from .parallel import PlacesServedRows, RowSplit, gather, prefetch
+from .lookahead import LooksAhead
+from .parallel import PlacesServedRows, RowSplit, gather, layer_ids
 
 
 class PackedGGUFEmbedding(LooksAhead, PlacesServedRows, torch.nn.Module):
@@ -44,25 +44,15 @@ class PackedGGUFEmbedding(LooksAhead, PlacesServedRows, torch.nn.Module):
         self.embedding_dim = table.cols
 
     def forward(self, token_ids: torch.Tensor) -> torch.Tensor:
-        if self._lookahead is None:
-            return self._rows(token_ids)
-        return self._gather_planned(self._rows, token_ids)
+        return gather(self.table, layer_ids(token_ids), self.dtype, self.split,
+                      owner=self.prefetch_owner)
 
-    def _rows(self, token_ids: torch.Tensor) -> torch.Tensor:
-        return gather(self.table, token_ids, self.dtype, self.split)
-
-    def prefetch(self, token_ids: torch.Tensor) -> None:
-        """Starts reading the rows of a later ``forward`` of ids equal to these
-        (on the CPU), so that its gather takes them instead of reading them itself."""
-        prefetch(self.table, token_ids, self.split)
-
-    def lookahead(self, token_ids: torch.Tensor, chunk_size: int,
-                  max_bytes: int = DEFAULT_MAX_BYTES) -> Lookahead | None:
-        """The next forwards are of ``token_ids.split(chunk_size, dim=-1)``, in
-        order: their rows are read ahead, at most ``max_bytes`` beyond the
-        chunk being gathered (``ple.layers.lookahead``).
-        Returns the plan (None: no chunks), for ``end_lookahead(plan)``."""
-        return self._look_ahead(chunk_ids(token_ids, chunk_size, dim=-1), max_bytes)
+    def row_ids(self, token_ids: torch.Tensor, seq_ids: torch.Tensor | None = None,
+                context: torch.Tensor | None = None) -> torch.Tensor:
+        """The table rows a forward of ``token_ids`` gathers: the ids
+        themselves, as CPU int64 of their shape (``seq_ids`` and ``context``
+        change nothing: see ``DiskEmbedding.row_ids``)."""
+        return layer_ids(token_ids).to("cpu", torch.int64)
 
     def extra_repr(self) -> str:
         split = "" if self.split is None else f", {self.split}"

@@ -11,8 +11,9 @@ x`` bit for bit for every x, +0.0 and -0.0 included: the sum gives each row
 exactly as one process would.  Ids outside ``[0, N)`` give rows of zeros here,
 where an unsplit gather raises.
 
-The layers call :func:`gather` and :func:`prefetch` with their ``RowSplit``, or
-None when the table is not split, and take ``place()`` from
+The layers check each id argument with :func:`layer_ids`, call :func:`gather`
+and :func:`prefetch` with their ``RowSplit``, or None when the table is not
+split, and take ``place()`` from
 :class:`PlacesServedRows`, which puts the rows a rank serves in its tiers: a
 tier of another rank's rows would never be read, as every id outside the
 rank's range is clamped into it.
@@ -23,7 +24,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ple.table import Table, check_dense_ids
+from ple.ops.disk_gather import checked_ids
+from ple.table import Table
 
 
 def row_range(num_rows: int, rank: int, world_size: int) -> tuple[int, int]:
@@ -76,17 +78,24 @@ class RowSplit:
                 f"of {self.num_rows})")
 
 
+def layer_ids(ids) -> torch.Tensor:
+    """An id argument of a layer's (a tensor, a list, an array) as a tensor,
+    checked as ``ple.gather`` checks its ids (``checked_ids``)."""
+    return checked_ids(ids, "ple's embedding layers")
+
+
 def gather(table: Table, ids: torch.Tensor, dtype: torch.dtype, split: RowSplit | None,
-           round_scale: bool = False, scale: float | None = None) -> torch.Tensor:
-    """The rows ``ids`` of ``table`` as ``dtype`` ``[*ids.shape, cols]``, on
-    ``ids``' device, scaled as ``round_scale`` and ``scale`` say
+           round_scale: bool = False, scale: float | None = None, owner: int = 0
+           ) -> torch.Tensor:
+    """The rows ``ids`` (checked by :func:`layer_ids`) of ``table`` as
+    ``dtype`` ``[*ids.shape, cols]``, on ``ids``' device, scaled as
+    ``round_scale`` and ``scale`` say, for prefetch owner ``owner``
     (``disk_gather``'s arguments); with a split, this rank's share summed
     over the group."""
-    check_dense_ids(ids, "ple's embedding layers")
     if split is None:
-        return torch.ops.ple.disk_gather(ids, table.handle, dtype, round_scale, scale)
+        return torch.ops.ple.disk_gather(ids, table.handle, dtype, round_scale, scale, owner)
     rows = torch.ops.ple.disk_gather(split.ids_to_gather(ids), table.handle, dtype, round_scale,
-                                     scale)
+                                     scale, owner)
     rows = split.keep_own_rows(rows, ids)
     dist.all_reduce(rows, group=split.process_group)
     return rows

@@ -23,6 +23,12 @@ that module's choice.
 multiplied by, rounded as ``round_scale`` says: a module that holds its scale
 as a tensor of its own (``ple.layers.DiskEmbedding``), cast with the module
 as a model casts its ``weight_scale``, passes that tensor's value.
+
+``owner`` (default 0: none) is the prefetch owner the gather is made for
+(``Table.prefetch``'s): a layer passes its own, so that when the owner has a
+lookahead plan (``Table.plan_prefetches``) the gather advances or ends it
+as it runs, on the host, in a CUDA stream or on a captured graph's replays
+(``ple.layers.lookahead``).  It changes no row.
 """
 
 from __future__ import annotations
@@ -39,7 +45,7 @@ from ple.table import Table, check_dense_ids, table_for_handle
 _lib = torch.library.Library("ple", "DEF")
 _lib.define("disk_gather_bytes(Tensor ids, str table) -> Tensor")
 _lib.define("disk_gather(Tensor ids, str table, ScalarType? dtype=None, bool round_scale=False"
-            ", float? scale=None) -> Tensor")
+            ", float? scale=None, int owner=0) -> Tensor")
 
 # What a gather says once Python has begun to finalize: by then the operators
 # may be gone with the modules that define them.
@@ -65,7 +71,7 @@ def _keep_registered_while_python_runs(library: torch.library.Library) -> None:
 _keep_registered_while_python_runs(_lib)
 
 
-def _checked(ids: torch.Tensor, handle: str, dtype: torch.dtype | None = None
+def _checked(ids: torch.Tensor, handle: str, dtype: torch.dtype | None = None, owner: int = 0
              ) -> tuple[Table, torch.dtype]:
     if sys.is_finalizing():
         raise RuntimeError(EXITING)
@@ -75,7 +81,22 @@ def _checked(ids: torch.Tensor, handle: str, dtype: torch.dtype | None = None
     dtype = table.dtype if dtype is None else dtype
     if dtype not in OUTPUT_DTYPES:
         raise TypeError(f"ple.disk_gather: dtype must be one of {OUTPUT_DTYPES}, not {dtype}")
+    if owner < 0:
+        raise ValueError(f"ple.disk_gather: owner must be a prefetch owner, an int >= 0 (0: none), "
+                         f"not {owner}")
     return table, dtype
+
+
+def checked_ids(ids, caller: str) -> torch.Tensor:
+    """``ids`` as a tensor (``torch.as_tensor``: a list or an array too), for
+    a call of ``caller`` that gathers them: a RuntimeError once Python is
+    finalizing (``EXITING``), and ``check_dense_ids``' TypeError for sparse
+    and nested ids.  Traceable: a compiled caller checks the layout only."""
+    if not torch.compiler.is_compiling() and sys.is_finalizing():
+        raise RuntimeError(EXITING)
+    ids = torch.as_tensor(ids)
+    check_dense_ids(ids, caller)
+    return ids
 
 
 def gather(table: Table, ids, dtype: torch.dtype | None = None, round_scale: bool = False
@@ -86,12 +107,9 @@ def gather(table: Table, ids, dtype: torch.dtype | None = None, round_scale: boo
     if not isinstance(table, Table):
         raise TypeError(f"ple.gather takes a ple.Table, not {type(table).__name__} (the operators "
                         "take table.handle)")
-    if sys.is_finalizing():
-        raise RuntimeError(EXITING)
-    ids = torch.as_tensor(ids)
     # Here too: torch.inference_mode sends a jagged nested tensor to its own
     # dispatch, which knows no ple operator.
-    check_dense_ids(ids, "ple.gather")
+    ids = checked_ids(ids, "ple.gather")
     return torch.ops.ple.disk_gather(ids, table.handle, dtype, round_scale)
 
 
@@ -103,19 +121,22 @@ def _disk_gather_bytes_cpu(ids: torch.Tensor, table: str) -> torch.Tensor:
 
 @torch.library.impl(_lib, "disk_gather", "CPU")
 def _disk_gather_cpu(ids: torch.Tensor, table: str, dtype: torch.dtype | None = None,
-                     round_scale: bool = False, scale: float | None = None) -> torch.Tensor:
-    checked, dtype = _checked(ids, table, dtype)
-    return decode_rows(checked.gather_bytes(ids), checked.row_format,
+                     round_scale: bool = False, scale: float | None = None, owner: int = 0
+                     ) -> torch.Tensor:
+    checked, dtype = _checked(ids, table, dtype, owner)
+    return decode_rows(checked.gather_bytes(ids, owner=owner), checked.row_format,
                        _applied(checked, dtype, round_scale, scale), dtype)
 
 
 @torch.library.impl(_lib, "disk_gather", "CUDA")
 def _disk_gather_cuda(ids: torch.Tensor, table: str, dtype: torch.dtype | None = None,
-                      round_scale: bool = False, scale: float | None = None) -> torch.Tensor:
+                      round_scale: bool = False, scale: float | None = None, owner: int = 0
+                      ) -> torch.Tensor:
     from .disk_gather_cuda import disk_gather_cuda  # needs triton, which only CUDA calls need
 
-    checked, dtype = _checked(ids, table, dtype)
-    return disk_gather_cuda(checked, ids, dtype, _applied(checked, dtype, round_scale, scale))
+    checked, dtype = _checked(ids, table, dtype, owner)
+    return disk_gather_cuda(checked, ids, dtype, _applied(checked, dtype, round_scale, scale),
+                            owner)
 
 
 def _applied(table: Table, dtype: torch.dtype, round_scale: bool, scale: float | None) -> float:
@@ -130,8 +151,9 @@ def _disk_gather_bytes_fake(ids: torch.Tensor, table: str) -> torch.Tensor:
 
 @torch.library.register_fake("ple::disk_gather", lib=_lib)
 def _disk_gather_fake(ids: torch.Tensor, table: str, dtype: torch.dtype | None = None,
-                      round_scale: bool = False, scale: float | None = None) -> torch.Tensor:
-    checked, dtype = _checked(ids, table, dtype)
+                      round_scale: bool = False, scale: float | None = None, owner: int = 0
+                      ) -> torch.Tensor:
+    checked, dtype = _checked(ids, table, dtype, owner)
     return ids.new_empty((*ids.shape, checked.cols), dtype=dtype)
 
 

@@ -35,18 +35,19 @@ from ple.tiers import Tiers
 UVA_MAX_BYTES = 1 << 20
 
 
-def disk_gather_cuda(table: Table, ids: torch.Tensor, dtype: torch.dtype, scale: float
-                     ) -> torch.Tensor:
-    """``scale``: what scaled rows are multiplied by (``ple.formats.applied_scale``)."""
+def disk_gather_cuda(table: Table, ids: torch.Tensor, dtype: torch.dtype, scale: float,
+                     owner: int = 0) -> torch.Tensor:
+    """``scale``: what scaled rows are multiplied by (``ple.formats.applied_scale``);
+    ``owner``: the gather's prefetch owner (``disk_gather``'s argument)."""
     handle, tiers = table.acquire()
     try:
-        return _gather(table, handle, tiers, ids, dtype, scale)
+        return _gather(table, handle, tiers, ids, dtype, scale, owner)
     finally:
         table.release(tiers)
 
 
 def _gather(table: Table, handle: int, tiers: Tiers | None, ids: torch.Tensor,
-            dtype: torch.dtype, scale: float) -> torch.Tensor:
+            dtype: torch.dtype, scale: float, owner: int) -> torch.Tensor:
     """disk_gather_cuda with the table's native handle and one snapshot of its tiers."""
     device = ids.device  # a new torch.device each time it is asked for
     capturing = torch.cuda.is_current_stream_capturing()
@@ -64,7 +65,7 @@ def _gather(table: Table, handle: int, tiers: Tiers | None, ids: torch.Tensor,
 
     rows = status = tier_read = None
     if on_disk:
-        rows, status = staging.gather(handle, ids, resident_range, capturing)
+        rows, status = staging.gather(handle, ids, resident_range, capturing, owner)
         if n * table.row_bytes > UVA_MAX_BYTES:
             rows = rows.to(device, non_blocking=True)
     # The kernels launch on the current device: the ids' (entering a device

@@ -101,11 +101,12 @@ class StreamStaging:
             self.ids.captured = self.rows.captured = True
 
     def gather(self, native_handle: int, ids: torch.Tensor, resident_range: tuple[int, int],
-               capturing: bool) -> tuple[torch.Tensor, torch.Tensor]:
+               capturing: bool, owner: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """Enqueues on this stream the gather of ``ids`` (CUDA, any shape):
         the ids are copied into the pinned ids buffer, then the native gather
         runs as a host function and fills the pinned rows buffer, skipping
-        the ids of ``resident_range``.  Returns the staged rows
+        the ids of ``resident_range``, for prefetch owner ``owner`` (whose
+        plan advances when the gather runs).  Returns the staged rows
         ``[n, row_bytes]`` and the status word the host function sets when
         it fails; both are valid in stream order only."""
         n = ids.numel()
@@ -118,7 +119,7 @@ class StreamStaging:
         staged_ids.copy_(ids.reshape(-1).to(torch.int64), non_blocking=True)
         native.launch_host_gather(self.stream.cuda_stream, native_handle, ids_address, n,
                                   *resident_range, rows_address, self.status_word.data_ptr(),
-                                  capturing)
+                                  capturing, owner)
         return rows, self.status_word
 
     def take_bad_id_flag(self) -> bool:

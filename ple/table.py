@@ -502,9 +502,11 @@ class Table:
             staging.stream.synchronize()
         tiers.free()
 
-    def gather_bytes(self, ids, out: torch.Tensor | None = None) -> torch.Tensor:
+    def gather_bytes(self, ids, out: torch.Tensor | None = None, owner: int = 0) -> torch.Tensor:
         """The raw rows ``ids`` as uint8 ``[*ids.shape, row_bytes]``, written
-        into ``out`` when given.  Every id is checked before anything is written."""
+        into ``out`` when given.  Every id is checked before anything is
+        written.  ``owner``: the prefetch owner it gathers for (0: none), whose
+        plan it advances or ends (:meth:`plan_prefetches`)."""
         ids = torch.as_tensor(ids)
         check_dense_ids(ids, "ple: gather_bytes")
         if ids.dtype not in (torch.int32, torch.int64):
@@ -526,9 +528,9 @@ class Table:
         handle, tiers = self.acquire()
         try:
             if tiers is None:
-                native.gather(handle, flat, out, 0, 0)
+                native.gather(handle, flat, out, 0, 0, owner)
             else:
-                native.gather(handle, flat, out, *tiers.resident_range)
+                native.gather(handle, flat, out, *tiers.resident_range, owner)
                 tiers.fill_cpu(flat, out.view(-1, self.row_bytes))
         finally:
             self.release(tiers)
@@ -554,6 +556,62 @@ class Table:
         try:
             return native.prefetch(handle, ids.reshape(-1).to(torch.int64).contiguous(),
                                    *(tiers.resident_range if tiers is not None else (0, 0)), owner)
+        finally:
+            self.release(tiers)
+
+    def plan_prefetches(self, owner: int, chunks: list[torch.Tensor], max_bytes: int) -> int:
+        """Starts the plan of ``owner`` (an int > 0): ``chunks`` (CPU int64
+        tensors, each flattened) are the ids of its next gathers, in order,
+        each of them as the gather will ask for it.  They are prefetched in
+        order while the owner's prefetches hold at most ``max_bytes`` of rows
+        (at least the next chunk), the first ones now.  The plan advances as
+        the owner's gathers run (on the host, in a CUDA stream, on a captured
+        graph's replays: every gather of ``disk_gather``'s ``owner``): one
+        that takes the next chunk's prefetch, of that chunk's size, lets the
+        next chunks be read; any other gather of the owner, and one that
+        raises, ends it, dropping what it read ahead.  Replaces the owner's
+        plan (:meth:`end_plan`).  Returns the plan's number, for
+        :meth:`end_plan` and :meth:`planning` (0: no chunks, or the table is
+        closing)."""
+        chunks = [chunk.reshape(-1) for chunk in chunks]
+        sizes = [chunk.numel() for chunk in chunks]
+        ids = torch.cat(chunks) if chunks else torch.empty(0, dtype=torch.int64)
+        if ids.dtype != torch.int64 or ids.device.type != "cpu":
+            raise TypeError(f"ple: a plan's chunks are int64 ids on the CPU, not {ids.dtype} on "
+                            f"{ids.device}")
+        if not isinstance(owner, int) or owner < 1:
+            raise ValueError(f"ple: a plan's owner is an int > 0, not {owner!r}")
+        handle, tiers = self.acquire()
+        try:
+            return native.plan_prefetches(
+                handle, owner, ids.contiguous(), sizes, max_bytes,
+                *(tiers.resident_range if tiers is not None else (0, 0)))
+        finally:
+            self.release(tiers)
+
+    def end_plan(self, owner: int, plan: int | None = None) -> None:
+        """Ends the plan of ``owner`` when it is ``plan`` (whichever it has:
+        None), and then drops the owner's prefetches that no gather has taken
+        (with None, even where it has no plan): when it returns, no read of
+        theirs runs.  On a closed table it does nothing."""
+        try:
+            handle, tiers = self.acquire()
+        except ValueError:  # closed
+            return
+        try:
+            native.end_plan(handle, owner, plan)
+        finally:
+            self.release(tiers)
+
+    def planning(self, owner: int, plan: int | None = None) -> bool:
+        """Whether ``owner``'s plan ``plan`` (whichever it has: None) has
+        chunks to come, read ahead or not; False on a closed table."""
+        try:
+            handle, tiers = self.acquire()
+        except ValueError:  # closed
+            return False
+        try:
+            return native.planning(handle, owner, plan)
         finally:
             self.release(tiers)
 

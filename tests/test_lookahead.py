@@ -69,7 +69,7 @@ def test_chunks_read_ahead_give_the_same_bytes_and_hit(layer, chunk_size):
     tokens = prompt()
     expected = forward_chunks(layer, tokens, chunk_size)
     layer.table.reset_stats()
-    layer.lookahead(tokens, chunk_size)
+    layer.lookahead(layer.row_ids(tokens), chunk_size)
     got = forward_chunks(layer, tokens, chunk_size)
     for chunk_rows, want in zip(got, expected):
         assert_same_bits(chunk_rows, want)
@@ -81,7 +81,7 @@ def test_chunks_read_ahead_give_the_same_bytes_and_hit(layer, chunk_size):
 def test_the_rows_read_ahead_stay_within_the_bound(layer):
     tokens = prompt(1)
     chunk_bytes = 3 * layer.hashing.heads * layer.table.row_bytes  # 3 tokens a chunk
-    layer.lookahead(tokens, 3, max_bytes=2 * chunk_bytes)
+    layer.lookahead(layer.row_ids(tokens), 3, max_bytes=2 * chunk_bytes)
     seen = [layer.lookahead_bytes]
     for chunk, context in chunks_of(tokens, 3):
         layer(chunk, torch.zeros(len(chunk), dtype=torch.int64), context)
@@ -95,7 +95,7 @@ def test_a_forward_of_another_size_ends_the_plan(layer):
     tokens = prompt(2)
     first, second = chunks_of(tokens, 4)[:2]
     expected = layer(second[0][:3], torch.zeros(3, dtype=torch.int64), second[1])
-    layer.lookahead(tokens, 4)
+    layer.lookahead(layer.row_ids(tokens), 4)
     layer(first[0], torch.zeros(4, dtype=torch.int64), first[1])
     assert layer.looking_ahead
     got = layer(second[0][:3], torch.zeros(3, dtype=torch.int64), second[1])
@@ -105,7 +105,7 @@ def test_a_forward_of_another_size_ends_the_plan(layer):
 
 def test_ending_a_plan_leaves_no_prefetch_and_no_read(layer):
     tokens = prompt(3)
-    layer.lookahead(tokens, 2)
+    layer.lookahead(layer.row_ids(tokens), 2)
     chunks = chunks_of(tokens, 2)
     layer(chunks[0][0], torch.zeros(2, dtype=torch.int64), chunks[0][1])
     layer.end_lookahead()
@@ -136,14 +136,14 @@ def test_a_disk_embedding_plan_splits_the_length_of_a_batch(tmp_path):
 @pytest.mark.parametrize("bad", [0, -1, MOST_BYTES + 1, 1.5])
 def test_a_bad_bound_is_refused(layer, bad):
     with pytest.raises(ValueError, match=r"lookahead max_bytes must be an int in \(0, "):
-        layer.lookahead(prompt(), 4, max_bytes=bad)
+        layer.lookahead(layer.row_ids(prompt()), 4, max_bytes=bad)
     assert not layer.looking_ahead
 
 
 @pytest.mark.parametrize("bad", [0, -3, 2.0, True])
 def test_a_bad_chunk_size_is_refused(layer, bad):
     with pytest.raises(ValueError, match="chunk_size must be a positive int"):
-        layer.lookahead(prompt(), bad)
+        layer.lookahead(layer.row_ids(prompt()), bad)
 
 
 def test_compiled_forwards_read_ahead(ngram_checkpoint):  # noqa: F811
@@ -153,10 +153,10 @@ def test_compiled_forwards_read_ahead(ngram_checkpoint):  # noqa: F811
         expected = forward_chunks(layer, tokens, 8)
         compiled = torch.compile(layer)
         forward_chunks(compiled, tokens, 8)  # compiles, without a plan and with one
-        layer.lookahead(tokens, 8)
+        layer.lookahead(layer.row_ids(tokens), 8)
         forward_chunks(compiled, tokens, 8)
         layer.table.reset_stats()
-        layer.lookahead(tokens, 8)
+        layer.lookahead(layer.row_ids(tokens), 8)
         for got, want in zip(forward_chunks(compiled, tokens, 8), expected):
             assert_same_bits(got, want)
         assert layer.table.stats()["prefetch_hits"] == len(expected)
@@ -167,7 +167,7 @@ def test_cuda_chunks_read_ahead(layer):
     tokens = prompt(6)
     expected = forward_chunks(layer, tokens, 5)
     layer.table.reset_stats()
-    layer.lookahead(tokens, 5)
+    layer.lookahead(layer.row_ids(tokens), 5)
     for got, want in zip(forward_chunks(layer, tokens, 5, device="cuda"), expected):
         assert_same_bits_but_nan(got, want)
     torch.cuda.synchronize()
@@ -183,7 +183,7 @@ def test_cuda_the_bound_holds_while_the_host_runs_ahead_of_the_stream(layer):
     expected = forward_chunks(layer, tokens, 3)
     chunk_bytes = 3 * layer.hashing.heads * layer.table.row_bytes
     layer.table.reset_stats()
-    layer.lookahead(tokens, 3, max_bytes=2 * chunk_bytes)
+    layer.lookahead(layer.row_ids(tokens), 3, max_bytes=2 * chunk_bytes)
     torch.cuda._sleep(50_000_000)
     got, seen = [], []
     for chunk, context in chunks_of(tokens, 3):
@@ -278,38 +278,6 @@ def test_a_forward_that_raises_ends_its_plan_alone(embedding):
         assert_same_bits(other(chunk), reference[chunk])
     assert table.stats()["prefetch_hits"] == 1 + len(their_chunks)
     assert table.prefetched_bytes() == 0
-
-
-@pytest.mark.parametrize("failing", ["room_for", "prefetch"])
-def test_reading_ahead_that_fails_after_a_gather_ends_the_plan_not_the_forward(
-        embedding, monkeypatch, caplog, failing):
-    """The plan's reads ahead raise once a forward's rows are gathered (an
-    Event that fails to synchronize, a prefetch on a table closed meanwhile,
-    memory): the forward returns its rows, the plan ends and drops what it
-    read ahead, and the error is logged once."""
-    import ple.layers.lookahead as lookahead
-
-    table, reference = embedding.table, all_rows(embedding)
-    planned = random_ids(9, 4)
-    embedding.lookahead(planned, CHUNK, max_bytes=CHUNK * table.row_bytes)
-    assert embedding.looking_ahead and table.prefetched_bytes() > 0
-
-    def fail(*_args, **_kwargs):
-        raise MemoryError("no memory to read ahead")
-
-    if failing == "room_for":
-        monkeypatch.setattr(lookahead.ReadAhead, "room_for", fail)
-    else:
-        monkeypatch.setattr(lookahead, "prefetch", fail)
-    chunk = planned[:, :CHUNK]
-    with caplog.at_level("ERROR", logger="ple"):
-        assert_same_bits(embedding(chunk), reference[chunk])
-    assert [r.getMessage() for r in caplog.records] == [
-        "ple: a lookahead plan ended: its reads ahead failed"]
-    assert caplog.records[0].exc_info[0] is MemoryError
-    assert not embedding.looking_ahead and embedding.lookahead_bytes == 0
-    assert table.prefetched_bytes() == 0
-    assert_same_bits(embedding(planned[:, CHUNK:2 * CHUNK]), reference[planned[:, CHUNK:2 * CHUNK]])
 
 
 def test_end_lookahead_drops_only_its_own_plans_prefetches(embedding):
