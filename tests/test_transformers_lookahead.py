@@ -172,7 +172,8 @@ def test_padded_batches_read_ahead_every_chunk(checkpoints, key, padding, chunk_
 
 @pytest.mark.parametrize("bad", [-1, 257, 1.5])
 def test_a_bad_lookahead_bound_is_refused(checkpoints, bad):
-    with pytest.raises(ValueError, match=r"lookahead_mib must be an int in \[0, 256\]"):
+    with pytest.raises(ValueError, match=rf"^ple: lookahead_mib must be MiB of rows read ahead, an "
+                                         rf"integer in \[0, 256\] \(0: no lookahead\), not {bad}$"):
         from_pretrained(MODELS["gemma3n"][0], checkpoints["gemma3n"], lookahead_mib=bad)
 
 

@@ -24,9 +24,10 @@ Arms (--arms, in this order by default):
   all             GatherConfig.from_spec("all"): every cold page advised first
   direct          GatherConfig(io="direct"): O_DIRECT reads, no page cache
   direct-cache:MiB  direct with a row cache of MiB (one arm per --caches value)
-  lookahead       the window, with layer.lookahead(prompt, chunk) before the
-                  first chunk and end_lookahead() after the last: the rows of
-                  the coming chunks are read while the current one computes
+  lookahead       the window, with layer.lookahead(layer.row_ids(prompt), chunk)
+                  before the first chunk and end_lookahead() after the last:
+                  the rows of the coming chunks are read while the current
+                  one computes
   lookahead-direct-cache:MiB   lookahead over direct I/O with a row cache
                   of MiB (one arm per --caches value; lookahead-<arm> runs
                   lookahead over any arm above)
@@ -452,7 +453,7 @@ def run_arm(spec: dict, layer, write_line) -> dict:
     before, read0 = table.stats(), disk_read_bytes()
     start = time.perf_counter()
     if looks_ahead(spec["arm"]):
-        layer.lookahead(tokens, chunk, max_bytes=spec["lookahead_mib"] * MiB)
+        layer.lookahead(layer.row_ids(tokens), chunk, max_bytes=spec["lookahead_mib"] * MiB)
     try:
         for index, first in enumerate(range(0, len(tokens), chunk)):
             ids = tokens[first:first + chunk]

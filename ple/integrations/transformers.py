@@ -118,7 +118,7 @@ from torch import nn
 from ple.config import GatherConfig
 from ple.layers.disk_embedding import DTYPES, DiskEmbedding
 from ple.layers.lookahead import DEFAULT_MAX_BYTES as DEFAULT_LOOKAHEAD_BYTES
-from ple.layers.lookahead import MOST_BYTES as MOST_LOOKAHEAD_BYTES
+from ple.layers.lookahead import lookahead_mib as checked_lookahead_mib
 from ple.safetensors_header import TensorEntry
 from ple.safetensors_tables import closest_names, describe_files
 from ple.table import SHARD_NAME, Table, read_checkpoint_entries, tables_held
@@ -266,11 +266,7 @@ def _give_generate(model_class: type) -> None:
 
 
 def _lookahead_bytes(lookahead_mib: int) -> int:
-    if (not isinstance(lookahead_mib, int) or isinstance(lookahead_mib, bool)
-            or not 0 <= lookahead_mib << 20 <= MOST_LOOKAHEAD_BYTES):
-        raise ValueError(f"lookahead_mib must be an int in [0, {MOST_LOOKAHEAD_BYTES >> 20}] "
-                         f"(0: no lookahead), not {lookahead_mib!r}")
-    return lookahead_mib << 20
+    return checked_lookahead_mib(lookahead_mib, "lookahead_mib") << 20
 
 
 # ---- transformers' saving ----------------------------------------------------

@@ -60,7 +60,7 @@ from pathlib import Path
 
 from ple.config import FIELDS, GatherConfig
 from ple.layers.lookahead import DEFAULT_MAX_BYTES as DEFAULT_LOOKAHEAD_BYTES
-from ple.layers.lookahead import MOST_BYTES as MOST_LOOKAHEAD_BYTES
+from ple.layers.lookahead import lookahead_mib
 
 logger = logging.getLogger(__name__)
 
@@ -138,10 +138,9 @@ def settings(environ: dict[str, str] | None = None) -> Settings:
         raw, where = setting(variable, key)
         tiers[key] = 0 if raw is None else _row_count(raw, where)
     raw, where = setting(LOOKAHEAD_ENV, "lookahead_mib")
-    lookahead_mib = DEFAULT_LOOKAHEAD_BYTES >> 20 if raw is None else _lookahead_mib(raw, where)
+    mib = DEFAULT_LOOKAHEAD_BYTES >> 20 if raw is None else lookahead_mib(raw, where)
     offload, where = setting(OFFLOAD_ENV, "offload")
-    return Settings(_offload(offload, where), _gather_config(gather), **tiers,
-                    lookahead_mib=lookahead_mib)
+    return Settings(_offload(offload, where), _gather_config(gather), **tiers, lookahead_mib=mib)
 
 
 def _refuse_unknown_variables(environ) -> None:
@@ -223,15 +222,6 @@ def _row_count(raw, where: str) -> int:
     if rows is None or rows < 0:
         raise ValueError(f"ple: {where} must be a count of rows (a whole number >= 0), not {raw!r}")
     return rows
-
-
-def _lookahead_mib(raw, where: str) -> int:
-    most = MOST_LOOKAHEAD_BYTES >> 20  # what a table's prefetches hold at most
-    mib = _whole_number(raw)
-    if mib is None or not 0 <= mib <= most:
-        raise ValueError(f"ple: {where} must be MiB of rows read ahead, an integer in "
-                         f"[0, {most}] (0: no lookahead), not {raw!r}")
-    return mib
 
 
 def _offload(value, where: str | None) -> str | tuple[str, ...] | None:
