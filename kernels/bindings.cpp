@@ -315,6 +315,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         read_rows(handle, ids, out, {0, 0}, true);
       },
       "Copies rows ids into out for the tiers: no prefetch, no row cache");
+  m.def(
+      "file_descriptors",
+      [](int64_t handle) { return ple::find_table(handle)->duplicate_file_descriptors(); },
+      "New descriptors of a table's files, in its paths' order (the caller closes them)");
   m.def("stats", [](int64_t h) {
     auto table = ple::find_table(h);
     return table->counters().snapshot(table->row_bytes());

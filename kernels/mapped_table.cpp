@@ -234,4 +234,18 @@ void MappedTable::drop_page_cache() {
   row_cache_.clear();
 }
 
+std::vector<int> MappedTable::duplicate_file_descriptors() const {
+  std::vector<int> fds;
+  for (const MappedFile& file : files_) {
+    int fd = ::fcntl(file.fd, F_DUPFD_CLOEXEC, 0);
+    if (fd < 0) {
+      std::string msg = errno_text("cannot duplicate the descriptor of", file.path);
+      for (int opened : fds) ::close(opened);
+      throw OsError(msg);
+    }
+    fds.push_back(fd);
+  }
+  return fds;
+}
+
 }  // namespace ple

@@ -94,6 +94,10 @@ class MappedTable {
   // The block of the direct reads that the config makes; 0 for io "mmap".
   uint64_t io_block_bytes() const;
 
+  // New descriptors (close-on-exec) of the table's files, in paths' order:
+  // the files it maps, whatever names they have by now.  The caller closes them.
+  std::vector<int> duplicate_file_descriptors() const;
+
   GatherCounters& counters() { return counters_; }
   RowCache& row_cache() { return row_cache_; }
   GatherScratchPool& scratch_pool() { return scratch_pool_; }

@@ -53,6 +53,23 @@ class DiskEmbedding(LooksAhead, PlacesServedRows, torch.nn.Module):
     (``ple.layers.parallel``); every rank returns the full rows, and
     :meth:`place` keeps the rank's own rows in its tiers.
 
+    Its state dict holds the table as the checkpoint holds it, so that a
+    model saved by any route (``torch.save`` or ``safetensors`` of its
+    ``state_dict()``, transformers' ``save_pretrained``, accelerate, a
+    Trainer) is whole: ``weight`` (or a shard family's ``shard_{i}.weight``)
+    as CPU tensors over the very files the table maps
+    (``Table.checkpoint_tensors``: nothing is read until they are saved, and
+    then through the page cache, never whole in memory), and ``weight_scale``
+    for a scaled table (the module's buffer with ``round_scale``, else the
+    checkpoint's scale tensor).  ``load_state_dict`` takes those entries
+    when they equal the table (a state dict of this module, or of the
+    reference module over the same values) and refuses other values: the
+    rows stay in their files.  A GGUF table keeps no tensor in the state
+    dict (its blocks are no torch dtype); nor does any table while
+    :meth:`hold_table_in_state_dict` says not to (a loader that fills the
+    state dict's tensors from the checkpoint, as transformers' does, must
+    not see them).
+
     The module owns ``table``: :meth:`close` closes it (so does leaving a
     ``with`` block of the module).  Inference only: the
     table has no gradient, and ``max_norm`` is not supported.
@@ -78,6 +95,7 @@ class DiskEmbedding(LooksAhead, PlacesServedRows, torch.nn.Module):
         self.register_buffer("dtype_tracker", torch.empty(0, dtype=dtype, device=device or "cpu"),
                              persistent=False)
         self._meta_weight: torch.Tensor | None = None
+        self._table_in_state_dict = table.row_format.safetensors_dtype is not None
         # weight_scale's value, read when a cast changes it: the gathers take
         # it as a number, and reading a CUDA buffer in a forward would sync.
         self._scale_value: float | None = None
@@ -147,11 +165,77 @@ class DiskEmbedding(LooksAhead, PlacesServedRows, torch.nn.Module):
 
     def _apply(self, fn, recurse: bool = True):
         # Every cast and move of a module (.to, .half, .float, .bfloat16,
-        # .double, .cuda) runs _apply, which casts weight_scale.
+        # .double, .cuda, to_empty) runs _apply.
         super()._apply(fn, recurse)
         if self._holds_scale():
-            self._read_scale()
+            self._follow_scale()
         return self
+
+    @torch.no_grad()
+    def _follow_scale(self) -> None:
+        """Gives ``weight_scale`` the value it had, cast to its dtype now: what
+        a cast of it gives, and what a module moved to the meta device and
+        back, or emptied by ``to_empty``, would otherwise have lost."""
+        if self._scale_value is None or self.weight_scale.is_meta:
+            return
+        self.weight_scale.fill_(torch.tensor(self._scale_value, dtype=self.weight_scale.dtype))
+        self._read_scale()
+
+    def hold_table_in_state_dict(self, hold: bool = True) -> None:
+        """Whether ``state_dict()`` holds the table's checkpoint tensors (of a
+        safetensors table; the default).  The transformers integration turns
+        it off while transformers' loader runs, which would otherwise read
+        the table into them."""
+        self._table_in_state_dict = hold and self.table.row_format.safetensors_dtype is not None
+
+    def _table_entries(self, prefix: str) -> dict[str, torch.Tensor]:
+        """The state dict's entries of the table: its shards and its scale, by key."""
+        shards, scale = self.table.checkpoint_tensors()
+        if len(shards) == 1:
+            entries = {f"{prefix}weight": next(iter(shards.values()))}
+        else:
+            entries = {f"{prefix}shard_{i}.weight": shard for i, shard in enumerate(shards.values())}
+        if self._holds_scale():
+            entries[f"{prefix}weight_scale"] = self.weight_scale
+        elif scale:
+            entries[f"{prefix}weight_scale"] = next(iter(scale.values()))
+        return entries
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        if self._table_in_state_dict:
+            for key, tensor in self._table_entries(prefix).items():
+                destination[key] = tensor if keep_vars else tensor.detach()
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
+                              unexpected_keys, error_msgs):
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
+                                      unexpected_keys, error_msgs)
+        if self.table.row_format.safetensors_dtype is None:
+            return
+        for key, ours in self._table_entries(prefix).items():
+            if key not in state_dict:
+                continue
+            if key in unexpected_keys:
+                unexpected_keys.remove(key)
+            given = state_dict[key]
+            if key == f"{prefix}weight_scale" and self._holds_scale():
+                self._load_scale(given)
+            elif not given.is_meta:
+                differs = _first_difference(given, ours)
+                if differs is not None:
+                    error_msgs.append(
+                        f"{key}: ple serves {self.table.name!r} from its files, and the state "
+                        f"dict's values differ from them ({differs}); the rows of a served "
+                        "table cannot be loaded")
+
+    @torch.no_grad()
+    def _load_scale(self, given: torch.Tensor) -> None:
+        """``weight_scale`` from a state dict: its value cast to the module's dtype."""
+        if given.is_meta or given.numel() != 1:
+            return
+        self.weight_scale.fill_(given.reshape(()).to(self.weight_scale.dtype))
+        self._read_scale()
 
     @property
     def weight(self) -> torch.Tensor:
@@ -160,9 +244,9 @@ class DiskEmbedding(LooksAhead, PlacesServedRows, torch.nn.Module):
         know, holding nothing.  Its device says the weight is in no device's
         memory: transformers' Qwen4Exp n-gram embedding, for one, moves its
         ids to ``weight.device`` unless that is "meta", so the ids reach the
-        gather on their own device.  Not a parameter: it is not in
-        ``state_dict()``, nor moved or cast by ``.to()``, and cannot be
-        assigned (a tied weight cannot be served from disk)."""
+        gather on their own device.  Not a parameter: it is not moved or
+        cast by ``.to()``, and cannot be assigned (a tied weight cannot be
+        served from disk); ``state_dict()`` holds the table itself."""
         weight = self._meta_weight
         if weight is None or weight.dtype != self.dtype:
             weight = self._meta_weight = torch.empty(
@@ -197,10 +281,10 @@ class DiskEmbedding(LooksAhead, PlacesServedRows, torch.nn.Module):
     def row_ids(self, token_ids: torch.Tensor, seq_ids: torch.Tensor | None = None,
                 context: torch.Tensor | None = None) -> torch.Tensor:
         """The table rows a forward of ``token_ids`` gathers: the ids
-        themselves, as CPU int64 of their shape.  A row is its id's alone:
-        ``seq_ids`` and ``context`` (an n-gram layer's arguments, which
-        :class:`NGramEmbedding` hashes) change nothing."""
-        return layer_ids(token_ids).to("cpu", torch.int64)
+        themselves, as int64 of their shape and device.  A row is its id's
+        alone: ``seq_ids`` and ``context`` (an n-gram layer's arguments,
+        which :class:`NGramEmbedding` hashes) change nothing."""
+        return layer_ids(token_ids).to(torch.int64)
 
     def close(self) -> None:
         """Closes the table (unmaps its files); the module cannot run after."""
@@ -218,3 +302,31 @@ class DiskEmbedding(LooksAhead, PlacesServedRows, torch.nn.Module):
         rounding = ", round_scale=True" if self.round_scale else ""
         return (f"{self.num_embeddings}, {self.embedding_dim}, table={self.table.name!r} "
                 f"({self.table.format}), dtype={self.dtype}{rounding}{padding}{split}")
+
+
+# Rows compared at once when a state dict's table is checked against the files.
+COMPARED_BYTES = 64 << 20
+
+
+def _first_difference(given: torch.Tensor, ours: torch.Tensor) -> str | None:
+    """Where ``given`` differs from ``ours`` (a tensor over the table's files)
+    cast to ``given``'s dtype (a model loaded in another dtype holds the
+    values cast), compared a slice of rows at a time; None where they are
+    equal."""
+    if given.shape != ours.shape:
+        return f"shape {list(given.shape)} against {list(ours.shape)}"
+    def as_bytes(tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.to("cpu", given.dtype).contiguous().reshape(tensor.shape[0], -1).view(
+            torch.uint8)
+
+    if ours.dim() == 0 or ours.numel() == 0:
+        return None if torch.equal(as_bytes(given.reshape(1, -1)), as_bytes(ours.reshape(1, -1))) \
+            else "its value"
+    step = max(1, COMPARED_BYTES // max(1, ours[0].numel() * ours.element_size()))
+    for start in range(0, ours.shape[0], step):
+        a, b = as_bytes(given[start:start + step]), as_bytes(ours[start:start + step])
+        if not torch.equal(a, b):
+            row = start + int((a != b).reshape(a.shape[0], -1).any(1).nonzero()[0])
+            return f"first at row {row}"
+    return None
+

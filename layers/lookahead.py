@@ -202,7 +202,8 @@ class LooksAhead:
 
     def row_ids(self, token_ids: torch.Tensor, seq_ids: torch.Tensor | None = None,
                 context: torch.Tensor | None = None) -> torch.Tensor:
-        """The table rows a forward of these arguments gathers (CPU int64)."""
+        """The table rows a forward of these arguments gathers, int64 on their
+        device (a planner passes CPU tensors)."""
         raise NotImplementedError
 
     def prefetch(self, token_ids: torch.Tensor, seq_ids: torch.Tensor | None = None,

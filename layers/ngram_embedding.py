@@ -152,8 +152,9 @@ class NGramEmbedding(LooksAhead, PlacesServedRows, torch.nn.Module):
     def row_ids(self, token_ids: torch.Tensor, seq_ids: torch.Tensor | None = None,
                 context: torch.Tensor | None = None) -> torch.Tensor:
         """The table rows a forward of these arguments gathers: each token's,
-        ``[T, heads]`` CPU int64 (``NGramHashing.row_ids``)."""
-        return self._hashed_ids(token_ids, seq_ids, context).to("cpu")
+        ``[T, heads]`` int64 on the tokens' device (``NGramHashing.row_ids``;
+        a planner passes CPU tensors)."""
+        return self._hashed_ids(token_ids, seq_ids, context)
 
     def forward(self, token_ids: torch.Tensor, seq_ids: torch.Tensor | None = None,
                 context: torch.Tensor | None = None) -> torch.Tensor:

@@ -50,9 +50,9 @@ class PackedGGUFEmbedding(LooksAhead, PlacesServedRows, torch.nn.Module):
     def row_ids(self, token_ids: torch.Tensor, seq_ids: torch.Tensor | None = None,
                 context: torch.Tensor | None = None) -> torch.Tensor:
         """The table rows a forward of ``token_ids`` gathers: the ids
-        themselves, as CPU int64 of their shape (``seq_ids`` and ``context``
-        change nothing: see ``DiskEmbedding.row_ids``)."""
-        return layer_ids(token_ids).to("cpu", torch.int64)
+        themselves, as int64 of their shape and device (``seq_ids`` and
+        ``context`` change nothing: see ``DiskEmbedding.row_ids``)."""
+        return layer_ids(token_ids).to(torch.int64)
 
     def extra_repr(self) -> str:
         split = "" if self.split is None else f", {self.split}"

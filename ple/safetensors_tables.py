@@ -43,13 +43,15 @@ logger = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class SelectedTable:
     """What :func:`select_table` chose: the table's name (a tensor's, or a
-    shard family's prefix), its shards in row order, its row format and the
-    scale of its values (1.0 for formats that are not scaled)."""
+    shard family's prefix), its shards in row order, its row format, the
+    scale of its values (1.0 for formats that are not scaled) and the
+    tensor that holds the scale (None: none does)."""
 
     name: str
     shards: list[TensorEntry]
     row_format: RowFormat
     scale: float
+    scale_tensor: TensorEntry | None = None
 
 
 def resolve_paths(paths: PathsLike) -> list[Path]:
@@ -195,11 +197,18 @@ def _choose(entries, families, tensor, files) -> tuple[str, list[TensorEntry], s
                       else "")
             raise ValueError(f"{where}: shard gap in {tensor!r}: shard {missing} is missing "
                              f"(found shards {_shown(indices)}{before})")
-        return tensor, [family[i] for i in range(len(family))], f"{tensor}.weight_scale"
-    # One shard of a family is scaled by the family's scale.
-    shard = SHARD_NAME.match(tensor)
-    return tensor, [entries[tensor]], (f"{shard['prefix']}.weight_scale" if shard
-                                       else f"{tensor}_scale")
+        return tensor, [family[i] for i in range(len(family))], scale_name(tensor, family=True)
+    return tensor, [entries[tensor]], scale_name(tensor)
+
+
+def scale_name(table: str, family: bool = False) -> str:
+    """The name of the scale tensor of table ``table``: ``<prefix>.weight_scale``
+    for a shard family (``family``) and for one of its shards,
+    ``<tensor>_scale`` for a tensor of its own."""
+    if family:
+        return f"{table}.weight_scale"
+    shard = SHARD_NAME.match(table)
+    return f"{shard['prefix']}.weight_scale" if shard else f"{table}_scale"
 
 
 def _check_shards(name: str, shards: list[TensorEntry]) -> None:
@@ -233,16 +242,21 @@ def _check_shards(name: str, shards: list[TensorEntry]) -> None:
                     BY_SAFETENSORS_DTYPE[first.dtype].row_bytes(first.shape[1]))
 
 
-def _read_scale(entry: TensorEntry, given: float | None) -> float:
-    """The value of a scale tensor; `given`, a caller's scale, must agree with
-    it once rounded to the tensor's dtype."""
+def read_scale_tensor(entry: TensorEntry) -> torch.Tensor:
+    """A scale tensor as its file holds it (one F32, F16 or BF16 value, of its shape)."""
     if entry.dtype not in SCALE_DTYPES or entry.nbytes != SCALE_DTYPES[entry.dtype].itemsize:
         raise ValueError(f"{entry.path}: scale tensor {entry.name!r} must hold one F32, F16 or "
                          f"BF16 value, not {entry.dtype} {list(entry.shape)}")
     with open_regular_binary(entry.path) as f:
         f.seek(entry.offset)
         raw = bytearray(f.read(entry.nbytes))
-    value = torch.frombuffer(raw, dtype=SCALE_DTYPES[entry.dtype]).item()
+    return torch.frombuffer(raw, dtype=SCALE_DTYPES[entry.dtype]).reshape(entry.shape)
+
+
+def _read_scale(entry: TensorEntry, given: float | None) -> float:
+    """The value of a scale tensor; `given`, a caller's scale, must agree with
+    it once rounded to the tensor's dtype."""
+    value = read_scale_tensor(entry).item()
     if given is not None and torch.tensor(given, dtype=SCALE_DTYPES[entry.dtype]).item() != value:
         raise ValueError(f"{entry.path}: {entry.name!r} is {value}, but scale={given} was given")
     return value
@@ -254,12 +268,13 @@ def select_table(paths: PathsLike, tensor: str | None = None, scale: float | Non
     (see there), checked; a ValueError says what does not fit and where."""
     files = resolve_paths(paths)
     entries = read_entries(files)
-    name, shards, scale_name = _choose(entries, shard_families(entries), tensor, files)
+    name, shards, scale_key = _choose(entries, shard_families(entries), tensor, files)
     _check_shards(name, shards)
     fmt = BY_SAFETENSORS_DTYPE[shards[0].dtype]
-    if not fmt.scaled and (scale is not None or scale_name in entries):
+    if not fmt.scaled and (scale is not None or scale_key in entries):
         raise ValueError(f"{shards[0].path}: {name!r} holds {fmt.name} rows, which are not "
                          "scaled; scales apply to fp8_e4m3fn, u8 and i8 rows")
-    file_scale = _read_scale(entries[scale_name], scale) if scale_name in entries else None
+    scale_tensor = entries.get(scale_key)
+    file_scale = _read_scale(scale_tensor, scale) if scale_tensor is not None else None
     resolved = file_scale if file_scale is not None else 1.0 if scale is None else float(scale)
-    return SelectedTable(name, shards, fmt, resolved)
+    return SelectedTable(name, shards, fmt, resolved, scale_tensor)

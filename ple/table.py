@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import itertools
+import mmap
 import os
 import sys
 import threading
@@ -19,6 +20,7 @@ from pathlib import Path
 import torch
 
 from .kernels.native import native
+from .mapped_files import guard_writers
 
 from .config import GatherConfig
 from .files import resolved_regular_file
@@ -26,18 +28,13 @@ from .counters import COUNTERS
 from .formats import BY_GGUF_TYPE, RowFormat, check_row_bytes
 from .gguf_header import GGUFHeader, read_gguf_header
 from .safetensors_header import TensorEntry
-# SHARD_NAME and read_checkpoint_entries are importable from here too (as
-# PathsLike and TensorEntry are), for the modules that took them from here.
-from .safetensors_tables import SHARD_NAME, PathsLike, read_checkpoint_entries, select_table  # noqa: F401
+from .safetensors_tables import PathsLike, read_scale_tensor, select_table
 from .progress import rows_progress
 from .staging import StreamStaging
 from .tiers import Tiers
 
 # Open tables by handle, for the operators; a table that is dropped closes.
 _open_tables: "weakref.WeakValueDictionary[str, Table]" = weakref.WeakValueDictionary()
-# Every table not dropped yet, open or closed (a closed table that a model
-# still holds still names the files it was served from).
-_tables_held: "weakref.WeakSet[Table]" = weakref.WeakSet()
 _registry_lock = threading.Lock()
 # What tables closed in a forked child held of their parent's CUDA state (pinned
 # buffers, streams, tiers): the child can neither use nor free it, so it stays.
@@ -132,14 +129,21 @@ def _register(table: "Table", same_files: str) -> str:
             handle = f"{same_files}#{n}"
         _open_tables[handle] = table
         _closed_handles.pop(handle, None)
-        _tables_held.add(table)
     return handle
 
 
-def tables_held() -> list["Table"]:
-    """The tables of this process that are not dropped yet, open or closed."""
-    with _registry_lock:
-        return list(_tables_held)
+def _mapped_tensor(fd: int, entry: TensorEntry, dtype: torch.dtype) -> torch.Tensor:
+    """The tensor ``entry`` of the file open as ``fd``, over a private mapping
+    of its bytes."""
+    if entry.nbytes == 0:
+        return torch.empty(entry.shape, dtype=dtype)
+    start = entry.offset - entry.offset % mmap.ALLOCATIONGRANULARITY
+    mapping = mmap.mmap(fd, entry.offset + entry.nbytes - start, access=mmap.ACCESS_COPY,
+                        offset=start)
+    mapping.madvise(mmap.MADV_SEQUENTIAL)
+    data = torch.frombuffer(mapping, dtype=torch.uint8, count=entry.nbytes,
+                            offset=entry.offset - start)
+    return data.view(dtype).reshape(entry.shape)
 
 
 def _forget(handle: str, name: str) -> None:
@@ -226,11 +230,15 @@ class Table:
     COUNTERS = COUNTERS
 
     def __init__(self, name: str, shards: list[TensorEntry], fmt: RowFormat, scale: float,
-                 config: GatherConfig, opened_from: tuple):
+                 config: GatherConfig, opened_from: tuple, scale_tensor: TensorEntry | None = None):
         """Maps ``shards`` (checked by the caller) as one table; use
         :meth:`from_safetensors` or :meth:`from_gguf`, which choose them.
-        ``opened_from``: how to open it again (``_reopen``)."""
+        ``opened_from``: how to open it again (``_reopen``); ``scale_tensor``:
+        the checkpoint tensor of the scale, where one holds it."""
         self.name = name
+        self._shards = list(shards)
+        self._scale_tensor = (None if scale_tensor is None
+                              else (scale_tensor.name, read_scale_tensor(scale_tensor)))
         self.format = fmt.name
         self.row_format = fmt
         self.scale = scale
@@ -271,6 +279,7 @@ class Table:
             raise
         self._config = config
         self._handle = _register(self, self._same_files)
+        guard_writers()
 
     @classmethod
     def from_safetensors(cls, paths: PathsLike, tensor: str | None = None,
@@ -289,7 +298,7 @@ class Table:
         return cls(chosen.name, chosen.shards, chosen.row_format, chosen.scale,
                    config or GatherConfig(),
                    ("safetensors", files, chosen.name,
-                    chosen.scale if chosen.row_format.scaled else None))
+                    chosen.scale if chosen.row_format.scaled else None), chosen.scale_tensor)
 
     @classmethod
     def from_gguf(cls, path: str | os.PathLike, tensor: str,
@@ -327,6 +336,41 @@ class Table:
         check_row_bytes(f"{path}: tensor {tensor!r}", fmt.row_bytes(cols))  # only with no rows
         return cls(tensor, [entry], fmt, 1.0, config or GatherConfig(),
                    ("gguf", [str(path)], tensor, None))
+
+    def checkpoint_tensors(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """The checkpoint tensors the table is served from, by their names in
+        the files: ``(shards, scale)``, the shards in row order (one tensor, or
+        a shard family's), and the scale tensor where one holds the scale.
+
+        Each shard is a CPU tensor over the bytes of the very file the table
+        maps (a private mapping of it, whatever names the file has by now):
+        nothing is read until the tensor is, saving it streams the rows from
+        the file through the page cache, and writing to it changes nothing on
+        disk.  A ValueError for a GGUF table (its blocks are no torch dtype)
+        and for a closed one."""
+        if self.row_format.safetensors_dtype is None or self._opened_from[0] != "safetensors":
+            raise ValueError(f"ple table {self.name!r} is a GGUF tensor of {self.format} blocks, "
+                             "which no torch tensor holds: only a safetensors table gives its "
+                             "checkpoint tensors")
+        fds = native.file_descriptors(self._native_handle())
+        try:
+            shards = {entry.name: _mapped_tensor(fds[self.paths.index(entry.path)], entry,
+                                                 self.row_format.storage)
+                      for entry in self._shards}
+        finally:
+            for fd in fds:
+                os.close(fd)
+        scale = {} if self._scale_tensor is None else {
+            self._scale_tensor[0]: self._scale_tensor[1].clone()}
+        return shards, scale
+
+    @property
+    def tensor_names(self) -> str:
+        """The table's tensors as messages name them: the tensor's name, or its
+        shard family's ``<prefix>.shard_{0..n-1}.weight``."""
+        if len(self.shard_rows) == 1:
+            return self.name
+        return f"{self.name}.shard_{{0..{len(self.shard_rows) - 1}}}.weight"
 
     @property
     def handle(self) -> str:

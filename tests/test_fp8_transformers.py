@@ -32,7 +32,7 @@ from transformers import Qwen4ExpForCausalLM, Qwen4ExpTextConfig  # noqa: E402
 
 from helpers import quiet_transformers  # noqa: E402, F401 (an autouse fixture)
 from helpers import assert_same_bits  # noqa: E402
-import ple.integrations.transformers as integration  # noqa: E402
+import ple.integrations.transformers.modules as integration  # noqa: E402
 from ple.integrations.transformers import from_pretrained, tables  # noqa: E402
 from ple.layers import DiskEmbedding, NGramEmbedding  # noqa: E402
 from ple_tools.bench_transformers import MODEL_CONFIG  # noqa: E402

@@ -44,7 +44,8 @@ from transformers.utils import is_timm_available  # noqa: E402
 import ple  # noqa: E402
 from helpers import quiet_transformers  # noqa: E402, F401 (an autouse fixture)
 from helpers import REPO, assert_same_bits  # noqa: E402
-from ple.integrations.transformers import _TablesWarnedAbout, from_pretrained, tables  # noqa: E402
+from ple.integrations.transformers import from_pretrained, tables  # noqa: E402
+from ple.integrations.transformers.modules import _TablesWarnedAbout  # noqa: E402
 from ple.layers import DiskEmbedding, NGramEmbedding  # noqa: E402
 from ple.table import _open_tables  # noqa: E402
 from test_transformers_integration import (GEMMA_CONFIG, QWEN_CONFIG,  # noqa: E402
@@ -56,7 +57,7 @@ NGRAM = "layers.{}.ple.ple_embedding.ngram_embedding"
 FP8_SCALE = 0.03125
 # What the FP8 release's quantization_config converts (design.md, section 8).
 FP8_MODULES = ["ple.ple_embedding.ngram_embedding"]
-INTEGRATION = "ple.integrations.transformers"
+INTEGRATION = "ple.integrations.transformers.modules"
 # Gemma 3n's vision tower, timm's mobilenetv5_300m_enc (built with
 # pretrained=False), at the fewest channels its config allows (1.3M
 # parameters, not 300M; its fusion adapter's 2048 outputs are fixed, hence

@@ -111,7 +111,7 @@ def test_ending_one_generates_plans_leaves_anothers(checkpoints):
     """Two generates on one model, on two threads: the second's plans replace
     the first's on every module, and the first's end, when it returns, ends
     its own plans alone; the second's go on looking ahead until its own end."""
-    from ple.integrations import prefill_lookahead
+    from ple.integrations.transformers import generate as prefill_lookahead
 
     served = from_pretrained(MODELS["qwen4exp"][0], checkpoints["qwen4exp"])
     modules = served_modules(served)

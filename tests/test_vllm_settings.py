@@ -16,7 +16,8 @@ import pytest
 import torch
 
 import ple
-from ple.integrations.vllm import Settings, register, settings
+from ple.integrations.vllm import register
+from ple.integrations.vllm.settings import Settings, settings
 
 
 def test_unset_the_plugin_does_nothing():

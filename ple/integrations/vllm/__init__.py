@@ -1,85 +1,26 @@
 """ple inside vLLM: a general plugin that serves a model's large embedding
-tables from the checkpoint's files.
+tables from the checkpoint's files (docs/vllm.md).
 
-Installed (``pip install --no-build-isolation '.[vllm]'``), the plugin is
-loaded by vLLM in each of its processes (the entry point ``ple`` of the group
-``vllm.general_plugins``; ``VLLM_PLUGINS`` filters it as any other) and
-changes nothing until asked:
+vLLM loads the plugin in each of its processes (the entry point ``ple`` of
+the group ``vllm.general_plugins``); it changes nothing until a ``PLE_*``
+variable asks:
 
     PLE_OFFLOAD=auto vllm serve google/gemma-3n-E4B-it
 
-``PLE_OFFLOAD`` (or ``"offload"`` of the file ``PLE_CONFIG`` names):
-
-- unset or empty: the plugin does nothing, vLLM's own classes serve;
-- ``auto``: the tables ple is made for are served from the checkpoint's
-  files, as the transformers integration's ``offload="auto"`` does: Gemma 3n's
-  ``embed_tokens_per_layer`` (the text-only and the multimodal class) and
-  Qwen4Exp's n-gram tables (``ple.integrations.vllm.qwen4_exp``);
-- a comma-separated list of module names of the served model, as vLLM names
-  them (``model.self_decoder.embed_tokens_per_layer``,
-  ``model.layers.1.ple.ple_embedding.ngram_embedding``; with
-  ``language_model.`` in front in the multimodal classes): those modules only;
-- ``none``: ple's classes serve with every table in memory (the text-only
-  Gemma 3n's per-layer inputs mended, see ``ple.integrations.vllm.gemma3n``):
-  the baseline to compare an offloaded model with.
-
-The tables' gather and tiers (each offloaded table the same):
-
-- ``PLE_GATHER_<FIELD>``: a field of :class:`ple.GatherConfig`
-  (``PLE_GATHER_POLICY=window``, ``PLE_GATHER_ROW_CACHE_MIB=512``,
-  ``PLE_GATHER_IO=direct``, ...);
-- ``PLE_HOST_ROWS``, ``PLE_DEVICE_ROWS``: rows kept in host and device
-  memory (``Table.place``: the first ``PLE_DEVICE_ROWS`` rows on the model's
-  GPU, the next ``PLE_HOST_ROWS`` in host memory);
-- ``PLE_LOOKAHEAD_MIB``: in a chunked prefill, the rows of a request's
-  next chunks are read while its current chunk computes, at most this many
-  MiB of rows ahead per table (default 64, 0: off;
-  ``ple.integrations.vllm.lookahead``);
-- ``PLE_CONFIG``: a JSON file with the same settings, ``{"offload": "auto" or
-  [names], "gather": {field: value}, "host_rows": n, "device_rows": n,
-  "lookahead_mib": n}``; the environment variables win over it.
-
-Names are exact: the variables in upper case (``PLE_GATHER_`` and the
-field's name), the file's keys and fields and the keywords ``auto`` and
-``none`` in lower case; row counts and MiB are whole numbers.  A bad setting
-(a variable of the plugin in another case, any other ``PLE_GATHER_*``, a
-value of the wrong type or out of range, a file that is not UTF-8 JSON)
-raises a ``ValueError`` that names the variable, or the key and the file,
-and what it accepts, when vLLM loads its plugins, before any model is built:
-vLLM does not start, rather than serve the tables from memory.
+- ``settings``: the ``PLE_*`` variables and the ``PLE_CONFIG`` file;
+- ``tables``: what every model class does around its tables (files, tables,
+  the lazy loader, the compile cache key, the log lines, the build-time swap);
+- ``gemma3n``, ``qwen4_exp``, ``qwen4_exp_models``: ple's model classes;
+- ``lookahead``: the rows of a prefill's coming chunks, read ahead.
 """
 
 from __future__ import annotations
 
-import json
-import logging
 import os
-import re
-from dataclasses import dataclass
-from pathlib import Path
 
-from ple.config import FIELDS, GatherConfig
-from ple.layers.lookahead import DEFAULT_MAX_BYTES as DEFAULT_LOOKAHEAD_BYTES
-from ple.layers.lookahead import lookahead_mib
+__all__ = ["ARCHITECTURES", "register"]
 
-logger = logging.getLogger(__name__)
-
-__all__ = ["Settings", "register", "settings"]
-
-OFFLOAD_ENV = "PLE_OFFLOAD"
-CONFIG_ENV = "PLE_CONFIG"
-GATHER_ENV_PREFIX = "PLE_GATHER_"
-# Each GatherConfig field's variable: the prefix and the field's name in upper case.
-GATHER_ENVS = {f"{GATHER_ENV_PREFIX}{name.upper()}": name for name in FIELDS}
-TIER_ENVS = {"host_rows": "PLE_HOST_ROWS", "device_rows": "PLE_DEVICE_ROWS"}
-LOOKAHEAD_ENV = "PLE_LOOKAHEAD_MIB"
-VARIABLES = (OFFLOAD_ENV, CONFIG_ENV, *GATHER_ENVS, *TIER_ENVS.values(), LOOKAHEAD_ENV)
-CONFIG_KEYS = ("offload", "gather", *TIER_ENVS, "lookahead_mib")
-OFFLOAD_KEYWORDS = ("auto", "none")
-# A whole number as a variable spells it.
-DECIMAL = re.compile(r"[+-]?[0-9]+")
-# A module name of PLE_OFFLOAD: vLLM's dotted path of attribute names and indices.
-MODULE_NAME = re.compile(r"[A-Za-z_]\w*(\.\w+)*")
+PREFIX = "PLE_"
 # The architectures whose vLLM classes ple's replace, and where ple's live.
 ARCHITECTURES = {
     "Gemma3nForCausalLM": "ple.integrations.vllm.gemma3n:Gemma3nForCausalLM",
@@ -89,186 +30,30 @@ ARCHITECTURES = {
 }
 
 
-@dataclass(frozen=True)
-class Settings:
-    """What the plugin was asked to do.  ``offload``: None (nothing),
-    ``"auto"``, or module names (an empty tuple: ple's classes, every table
-    in memory).  ``lookahead_mib``: the rows read ahead of a chunked
-    prefill, per table (0: none)."""
-    offload: str | tuple[str, ...] | None = None
-    gather: GatherConfig | None = None
-    host_rows: int = 0
-    device_rows: int = 0
-    lookahead_mib: int = DEFAULT_LOOKAHEAD_BYTES >> 20
-
-    @property
-    def active(self) -> bool:
-        return self.offload is not None
-
-
-def settings(environ: dict[str, str] | None = None) -> Settings:
-    """The settings of ``environ`` (default ``os.environ``) and of the file
-    its ``PLE_CONFIG`` names; a ValueError that names the variable, or the
-    key and the file, at fault and what it accepts otherwise.  Names are
-    exact: the variables in upper case, the file's keys and the keywords
-    ``auto`` and ``none`` in lower case; a variable of the plugin spelled in
-    another case, or any other ``PLE_GATHER_*``, is refused."""
-    environ = os.environ if environ is None else environ
-    _refuse_unknown_variables(environ)
-    path = environ.get(CONFIG_ENV)
-    values = _read_config_file(Path(path)) if path else {}
-
-    def setting(variable: str, key: str):
-        """(the value, where it was set) of a setting: its variable, else its
-        key of the file; (None, None) where neither sets it."""
-        if environ.get(variable):
-            return environ[variable], variable
-        if values.get(key) is not None:
-            return values[key], f"{key!r} of {CONFIG_ENV}={path}"
-        return None, None
-
-    gather = {name: (value, f"{name!r} of 'gather' of {CONFIG_ENV}={path}")
-              for name, value in values.get("gather", {}).items()}
-    for variable, name in GATHER_ENVS.items():
-        if environ.get(variable):
-            gather[name] = (_field_value(name, environ[variable], variable),
-                            f"{variable}={environ[variable]!r}")
-    tiers = {}
-    for key, variable in TIER_ENVS.items():
-        raw, where = setting(variable, key)
-        tiers[key] = 0 if raw is None else _row_count(raw, where)
-    raw, where = setting(LOOKAHEAD_ENV, "lookahead_mib")
-    mib = DEFAULT_LOOKAHEAD_BYTES >> 20 if raw is None else lookahead_mib(raw, where)
-    offload, where = setting(OFFLOAD_ENV, "offload")
-    return Settings(_offload(offload, where), _gather_config(gather), **tiers, lookahead_mib=mib)
-
-
-def _refuse_unknown_variables(environ) -> None:
-    """A ValueError for a variable that is one of the plugin's spelled in
-    another case, or a ``PLE_GATHER_*`` (in any case) that is no field's."""
-    wrong = sorted(name for name in environ if name not in VARIABLES and (
-        name.upper() in VARIABLES or name.upper().startswith(GATHER_ENV_PREFIX)))
-    if wrong:
-        raise ValueError(f"ple: unknown variable {', '.join(wrong)}: the plugin reads "
-                         f"{', '.join(VARIABLES)}, spelled exactly so (upper case)")
-
-
-def _read_config_file(path: Path) -> dict:
-    try:
-        values = json.loads(path.read_text(encoding="utf-8"))
-    except OSError as error:
-        raise ValueError(f"ple: {CONFIG_ENV}={path}: {error.strerror or error}") from None
-    except UnicodeDecodeError as error:
-        raise ValueError(f"ple: {CONFIG_ENV}={path} is not UTF-8 text, as a JSON file of the "
-                         f"plugin's settings must be: {error}") from None
-    except json.JSONDecodeError as error:
-        raise ValueError(f"ple: {CONFIG_ENV}={path} is not JSON: {error}") from None
-    if not isinstance(values, dict):
-        raise ValueError(f"ple: {CONFIG_ENV}={path} holds a {type(values).__name__}, not a JSON "
-                         f"object with keys among {CONFIG_KEYS}")
-    unknown = sorted(set(values) - set(CONFIG_KEYS))
-    if unknown:
-        raise ValueError(f"ple: {CONFIG_ENV}={path} has unknown keys {unknown}; expected keys "
-                         f"among {CONFIG_KEYS}")
-    values["gather"] = gather = {} if values.get("gather") is None else values["gather"]
-    if not isinstance(gather, dict):
-        raise ValueError(f"ple: 'gather' of {CONFIG_ENV}={path} must be an object of "
-                         f"GatherConfig fields {tuple(FIELDS)}, not {gather!r}")
-    unknown = sorted(set(gather) - set(FIELDS))
-    if unknown:
-        raise ValueError(f"ple: 'gather' of {CONFIG_ENV}={path} has unknown fields {unknown}; "
-                         f"the GatherConfig fields are {tuple(FIELDS)}")
-    return values
-
-
-def _field_value(name: str, raw: str, variable: str):
-    """The value of GatherConfig field ``name`` that its variable's text
-    ``raw`` spells: the text itself for a choice, else an integer."""
-    field = FIELDS[name]
-    if "choices" in field:
-        return raw
-    value = _whole_number(raw)
-    if value is None:
-        power = " (0 or a power of two)" if field["power_of_two"] else ""
-        raise ValueError(f"ple: {variable}={raw!r} is not an integer: {name} takes "
-                         f"{field['unit']}, an integer in [{field['least']}, {field['most']}]{power}")
-    return value
-
-
-def _gather_config(fields: dict[str, tuple]) -> GatherConfig | None:
-    """The GatherConfig of ``{field: (value, where it was set)}``; a
-    ValueError that names where a bad value was set otherwise."""
-    if not fields:
-        return None
-    for name, (value, where) in fields.items():
-        try:
-            GatherConfig(**{name: value})
-        except ValueError as error:
-            raise ValueError(f"ple: {where}: {error}") from None
-    return GatherConfig(**{name: value for name, (value, _) in fields.items()})
-
-
-def _whole_number(raw) -> int | None:
-    """``raw`` as an int: an int (not a bool) of the file, or the decimal
-    text of a variable; None for anything else (a float, however whole)."""
-    if isinstance(raw, str):
-        text = raw.strip()
-        return int(text) if DECIMAL.fullmatch(text) else None
-    return raw if isinstance(raw, int) and not isinstance(raw, bool) else None
-
-
-def _row_count(raw, where: str) -> int:
-    rows = _whole_number(raw)
-    if rows is None or rows < 0:
-        raise ValueError(f"ple: {where} must be a count of rows (a whole number >= 0), not {raw!r}")
-    return rows
-
-
-def _offload(value, where: str | None) -> str | tuple[str, ...] | None:
-    """``value`` of PLE_OFFLOAD (a text) or of the file's "offload" (a text
-    or a list of names), set at ``where``."""
-    if value is None or value == "":
-        return None
-    given = value
-    accepted = ("'auto', 'none', or module names as vLLM names them (a comma-separated text, "
-                "or a list in the file)")
-    if isinstance(value, str):
-        if value.strip() in OFFLOAD_KEYWORDS:
-            return "auto" if value.strip() == "auto" else ()
-        value = value.split(",")
-    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-        raise ValueError(f"ple: {where} must be {accepted}, not {given!r}")
-    names = tuple(dict.fromkeys(v.strip() for v in value if v.strip()))
-    if not names:
-        raise ValueError(f"ple: {where} is {given!r}, which names no module; it must be "
-                         f"{accepted}")
-    bad = [name for name in names
-           if name.lower() in OFFLOAD_KEYWORDS or not MODULE_NAME.fullmatch(name)]
-    if bad:
-        raise ValueError(f"ple: {where} is {given!r}: not module names {bad} (the keywords "
-                         f"'auto' and 'none' are lower case and stand alone); it must be "
-                         f"{accepted}")
-    return names
-
-
 def register() -> None:
     """The plugin's entry point (``vllm.general_plugins``): vLLM calls it in
-    each of its processes.  With the plugin asked for, replaces vLLM's
-    classes of the architectures ple serves with ple's (the multimodal Gemma
-    3n builds its text model through the same registry entry; Qwen4Exp's
-    multimodal class does not, so ple registers its own), and wraps the
-    workers' ``execute_model`` for lookahead (``ple.integrations.vllm.lookahead``)."""
+    each of its processes.  Returns at once when no ``PLE_*`` variable is
+    set.  Otherwise reads the settings (a bad one raises, and vLLM does not
+    start), and when they ask for ple, replaces vLLM's classes of the
+    architectures ple serves with ple's and wraps the workers'
+    ``execute_model`` for lookahead."""
+    if not any(name.upper().startswith(PREFIX) for name in os.environ):
+        return
+    import logging
+
+    from .settings import OFFLOAD_ENV, settings
+
     asked = settings()
     if not asked.active:
         return
     from vllm import ModelRegistry
 
+    from .lookahead import install
+
     for architecture, target in ARCHITECTURES.items():
         ModelRegistry.register_model(architecture, target)
     # Each engine's workers read PLE_LOOKAHEAD_MIB at their first step: the
     # hook is in place whatever this first reading says.
-    from .lookahead import install
-
     install()
-    logger.debug("ple: serving %s through ple (%s=%s)", ", ".join(ARCHITECTURES), OFFLOAD_ENV,
-                 asked.offload)
+    logging.getLogger(__name__).debug("ple: serving %s through ple (%s=%s)",
+                                      ", ".join(ARCHITECTURES), OFFLOAD_ENV, asked.offload)

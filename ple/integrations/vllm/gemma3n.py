@@ -29,7 +29,7 @@ is vLLM's model but for two things:
 from __future__ import annotations
 
 from collections.abc import Iterable
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 
 import torch
 from torch import nn
@@ -40,9 +40,9 @@ from vllm.model_executor.models.utils import maybe_prefix
 
 from ple.layers.disk_embedding import DiskEmbedding
 
-from . import Settings, settings
-from .checkpoint import (checkpoint_paths, keep_loading_lazy, key_compile_cache, logger,
-                         open_embedding, report)
+from .settings import Settings, settings
+from .tables import (built_with, checkpoint_paths, keep_loading_lazy, key_compile_cache, logger,
+                     open_embedding, report)
 
 # The module "auto" serves, under the text model, and its checkpoint tensor.
 PER_LAYER_MODULE = "self_decoder.embed_tokens_per_layer"
@@ -133,23 +133,17 @@ class Gemma3nForCausalLM(gemma3n.Gemma3nForCausalLM):
         return super().load_weights(weights)
 
 
-@contextmanager
 def per_layer_table_on_meta():
     """While vLLM's text model is built inside, its self-decoder builds the
     per-layer table (vLLM's ``VocabParallelEmbedding`` of that prefix) on
     the meta device: ple serves the table, and vLLM's parameter would
     allocate the whole of it (on the GPU, on CUDA) for nothing."""
-    vllm_class = gemma3n.VocabParallelEmbedding
 
-    def build(*args, prefix: str = "", **kwargs):
+    def build(*args, original, prefix: str = "", **kwargs):
         with torch.device("meta") if prefix.endswith(PER_LAYER_PREFIX) else nullcontext():
-            return vllm_class(*args, prefix=prefix, **kwargs)
+            return original(*args, prefix=prefix, **kwargs)
 
-    gemma3n.VocabParallelEmbedding = build
-    try:
-        yield
-    finally:
-        gemma3n.VocabParallelEmbedding = vllm_class
+    return built_with(gemma3n, "VocabParallelEmbedding", build)
 
 
 def _is_per_layer_table(name: str) -> bool:

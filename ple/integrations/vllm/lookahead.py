@@ -47,14 +47,14 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from ple.integrations.prefill_lookahead import gathered_token_ids
 from ple.layers.disk_embedding import DiskEmbedding
 from ple.layers.lookahead import ReadAhead
 from ple.layers.ngram_embedding import NGramEmbedding
 from ple.layers.parallel import prefetch
 
-from . import settings
-from .checkpoint import logger
+from ..families import GEMMA3N
+from .settings import settings
+from .tables import logger
 
 __all__ = ["PrefillLookahead", "install", "run_step"]
 
@@ -200,7 +200,7 @@ def _prefetch(module: nn.Module, token_ids: torch.Tensor, start: int, stop: int,
         eos = torch.full((history - before.numel(),), module.hashing.eos_id, dtype=torch.int64)
         ids = module.row_ids(chunk, None, torch.cat([eos, before]).unsqueeze(0))
     else:
-        ids = gathered_token_ids(module, chunk)
+        ids = GEMMA3N.token_ids(None, module, chunk)
     return prefetch(module.table, ids, module.split, owner)
 
 

@@ -40,8 +40,9 @@ from ple.config import GatherConfig
 from ple.layers.ngram_embedding import NGramEmbedding
 from ple.safetensors_tables import SHARD_NAME
 
-from . import settings
-from .checkpoint import checkpoint_paths, keep_loading_lazy, key_compile_cache, place_tiers, report
+from .settings import settings
+from .tables import (built_with, checkpoint_paths, keep_loading_lazy, key_compile_cache,
+                     place_tiers, report)
 
 # The end of vLLM's name of each n-gram table module (what PLE_OFFLOAD lists):
 # model.layers.{i}.ple.ple_embedding.ngram_embedding, with language_model. in
@@ -189,27 +190,22 @@ class NGramTables:
         allocate its table whole first.  Then checks that every name asked
         for was built, keeps vLLM's loader lazy, keys its compile cache on
         the tables and logs them."""
-        vllm_class = ple_layer_module.Qwen4ExpNGramEmbedding
-
-        def build(config, embedding_dim, ple_dense_layer_id, max_total_tokens, *, prefix,
-                  **options):
+        def build(config, embedding_dim, ple_dense_layer_id, max_total_tokens, *, original,
+                  prefix, **options):
             name = f"{prefix}.ngram_embedding"
             self._built.append(name)
             if not self._serves(name):
-                return vllm_class(config, embedding_dim, ple_dense_layer_id, max_total_tokens,
-                                  prefix=prefix, **options)
+                return original(config, embedding_dim, ple_dense_layer_id, max_total_tokens,
+                                prefix=prefix, **options)
             return self._open(name, config, embedding_dim, ple_dense_layer_id, prefix, options)
 
-        ple_layer_module.Qwen4ExpNGramEmbedding = build
-        try:
+        with built_with(ple_layer_module, "Qwen4ExpNGramEmbedding", build):
             yield self
-        finally:
-            ple_layer_module.Qwen4ExpNGramEmbedding = vllm_class
         self._refuse_unknown()
         if self.served:
             keep_loading_lazy(self.vllm_config.load_config)
             key_compile_cache(self.vllm_config, {name: m.table for name, m in self.served.items()})
-            report({name: (m, _described(m.table)) for name, m in self.served.items()},
+            report({name: (m, m.table.tensor_names) for name, m in self.served.items()},
                    self._in_memory_bytes)
 
     def holds(self, tensor: str) -> bool:
@@ -250,9 +246,3 @@ class NGramTables:
                              f"not as an n-gram table ple can serve: its tables are "
                              f"{self._built or 'none'}")
 
-
-def _described(table) -> str:
-    """The table's tensors as the log line names them."""
-    if len(table.shard_rows) == 1:
-        return table.name
-    return f"{table.name}.shard_{{0..{len(table.shard_rows) - 1}}}.weight"

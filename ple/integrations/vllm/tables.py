@@ -1,20 +1,24 @@
 """What every model class of the plugin does around its tables: finds the
 checkpoint's files, opens the tables with the plugin's settings, keeps vLLM's
-loader from reading them, keys vLLM's compile cache on them, and says what
-it served."""
+loader from reading them, keys vLLM's compile cache on them, says what it
+served, and builds a module of vLLM's model as ple's while the model is
+built (:func:`built_with`: vLLM offers no other way to build one module on
+the meta device or as another class)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 from vllm.logger import init_logger
 
-from ple.integrations.transformers import _local_checkpoint, checkpoint_files
 from ple.layers.disk_embedding import DiskEmbedding
 from ple.table import Table
 
-from . import Settings
+from ..checkpoints import local_snapshot, safetensors_files
+from .settings import Settings
 
 # Under "vllm.": vLLM's handler prints it, in the process's own log lines.
 logger = init_logger("vllm.plugins.ple")
@@ -37,11 +41,28 @@ def checkpoint_paths(vllm_config) -> list[Path]:
     from huggingface_hub import constants
 
     model_config = vllm_config.model_config
-    hub = {"revision": model_config.revision, "local_files_only": constants.HF_HUB_OFFLINE}
-    if vllm_config.load_config.download_dir:
-        hub["cache_dir"] = vllm_config.load_config.download_dir
-    directory = Path(_local_checkpoint(model_config.model, hub))
-    return checkpoint_files(directory)
+    directory = Path(model_config.model)
+    if not directory.is_dir():
+        directory = local_snapshot(model_config.model, revision=model_config.revision,
+                                   cache_dir=vllm_config.load_config.download_dir or None,
+                                   offline=constants.HF_HUB_OFFLINE)
+    return safetensors_files(directory)
+
+
+@contextmanager
+def built_with(module, name: str, build: Callable) -> Iterator[None]:
+    """While inside, vLLM's model files that build ``module.<name>`` (a class
+    they look up in their module when they build a layer) call ``build``
+    instead, with the same arguments and ``original`` (vLLM's class) as a
+    keyword; vLLM's class is back afterwards, raised or not.  The one way
+    ple changes what vLLM builds: the plugin's model classes wrap their
+    ``__init__`` in it."""
+    original = getattr(module, name)
+    setattr(module, name, lambda *args, **kwargs: build(*args, original=original, **kwargs))
+    try:
+        yield
+    finally:
+        setattr(module, name, original)
 
 
 def open_embedding(name: str, files: list[Path], tensor: str, shape: tuple[int, int],
