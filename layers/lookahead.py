@@ -229,7 +229,12 @@ class LooksAhead:
             raise TypeError(f"ple: lookahead takes row ids as an int32 or int64 tensor "
                             f"(layer.row_ids(...)), not {ids.dtype}")
         check_max_bytes(max_bytes)
-        chunks = chunk_ids(ids, chunk_size, self.TOKEN_DIM if dim is None else dim)
+        dim = self.TOKEN_DIM if dim is None else dim
+        if not -ids.dim() <= dim < ids.dim():
+            raise ValueError(f"ple: lookahead splits the row ids {list(ids.shape)} along dim "
+                             f"{dim}, which they do not have: pass layer.row_ids(...) of the "
+                             f"whole prompt")
+        chunks = chunk_ids(ids, chunk_size, dim)
         table = self.table
         if ids.numel() == 0 or table.resident_range == (0, table.num_rows):
             chunks = []  # nothing to read from the files

@@ -617,14 +617,19 @@ class Table:
         plan (:meth:`end_plan`).  Returns the plan's number, for
         :meth:`end_plan` and :meth:`planning` (0: no chunks, or the table is
         closing)."""
+        if not isinstance(owner, int) or isinstance(owner, bool) or owner < 1:
+            raise ValueError(f"ple: a plan's owner is an int > 0, not {owner!r}")
+        most = native.MAX_PENDING_BYTES
+        if (not isinstance(max_bytes, int) or isinstance(max_bytes, bool)
+                or not 0 < max_bytes <= most):
+            raise ValueError(f"ple: a plan's bound is more than 0 and at most {most} bytes (what "
+                             f"a table's prefetches hold), not {max_bytes!r}")
         chunks = [chunk.reshape(-1) for chunk in chunks]
         sizes = [chunk.numel() for chunk in chunks]
         ids = torch.cat(chunks) if chunks else torch.empty(0, dtype=torch.int64)
         if ids.dtype != torch.int64 or ids.device.type != "cpu":
             raise TypeError(f"ple: a plan's chunks are int64 ids on the CPU, not {ids.dtype} on "
                             f"{ids.device}")
-        if not isinstance(owner, int) or owner < 1:
-            raise ValueError(f"ple: a plan's owner is an int > 0, not {owner!r}")
         handle, tiers = self.acquire()
         try:
             return native.plan_prefetches(

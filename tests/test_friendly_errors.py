@@ -2,8 +2,10 @@
 operators take a handle, a GGUF file opened as safetensors, one shard of a
 family opened by name (it keeps the family's scale), a path that is not
 UTF-8, a tensor name where the operators take a handle, ids that are sparse
-or nested, a gather once Python is finalizing; ple.FORMATS lists every
-format and ple.__version__ is the package's."""
+or nested, a gather once Python is finalizing, and the same at every entry
+of the three layers (forward, row_ids, prefetch, lookahead), which take
+lists and arrays as ple.gather does; ple.FORMATS lists every format and
+ple.__version__ is the package's."""
 
 from __future__ import annotations
 
@@ -148,6 +150,133 @@ def test_a_gather_while_python_finalizes_says_the_process_is_exiting(table, tmp_
     exiting = ("ple: the process is exiting (Python is finalizing its modules): no gather runs "
                "now; gather before the interpreter exits (an atexit handler still may)")
     assert (result.returncode, result.stdout, result.stderr) == (0, f"{exiting}\n" * 2, "")
+
+
+# The layers' entries: each checks its ids as ple.gather does.
+HASHING = dict(vocab_size=300, eos_id=2, base_size=30, ple_layer_index=0)
+LAYER_ROWS = 60
+
+
+def open_layers(directory: Path) -> dict:
+    """The three layers over small tables of their own in ``directory``."""
+    from ple.layers import DiskEmbedding, NGramEmbedding, NGramHashing, PackedGGUFEmbedding
+
+    values = torch.arange(LAYER_ROWS * 4, dtype=torch.float32).reshape(LAYER_ROWS, 4)
+    ngram_rows = NGramHashing(**HASHING).rows
+    save_file({"w": values, "ngram_embedding": torch.ones(ngram_rows, 4)},
+              str(directory / "layers.safetensors"))
+    write_gguf(directory / "layers.gguf",
+               {"token_embd.weight": (np.ones((LAYER_ROWS, 32), dtype=np.float32),
+                                      gguf.GGMLQuantizationType.F32)})
+    return {"DiskEmbedding": DiskEmbedding.from_safetensors(directory / "layers.safetensors", "w"),
+            "NGramEmbedding": NGramEmbedding.from_safetensors(
+                directory / "layers.safetensors", "ngram_embedding", dtype=torch.float32,
+                **HASHING),
+            "PackedGGUFEmbedding": PackedGGUFEmbedding(directory / "layers.gguf",
+                                                       dtype=torch.float32)}
+
+
+@pytest.fixture
+def layers(tmp_path):
+    opened = open_layers(tmp_path)
+    yield opened
+    for layer in opened.values():
+        layer.table.close()
+
+
+def layer_entries(layer, ids) -> dict:
+    """Each entry of ``layer`` called with ``ids``, by the caller its errors name."""
+    return {"forward": ("ple's embedding layers", lambda: layer(ids)),
+            "row_ids": ("ple's embedding layers", lambda: layer.row_ids(ids)),
+            "prefetch": ("ple's embedding layers", lambda: layer.prefetch(ids)),
+            "lookahead": ("ple: lookahead", lambda: layer.lookahead(ids, 1, dim=0))}
+
+
+@pytest.mark.parametrize("make, what", [
+    (lambda: torch.tensor([[0, 1], [2, 0]]).to_sparse(),
+     "a torch.sparse_coo tensor: pass ids.to_dense()"),
+    (lambda: torch.tensor([[0, 1], [2, 0]]).to_sparse_csr(),
+     "a torch.sparse_csr tensor: pass ids.to_dense()"),
+    (lambda: nested(torch.strided), NESTED),
+    (lambda: nested(torch.jagged), NESTED),
+], ids=["sparse_coo", "sparse_csr", "nested", "jagged"])
+@pytest.mark.filterwarnings("ignore")  # torch's warnings that sparse and nested are in beta
+def test_sparse_and_nested_ids_at_every_layer_entry_say_what_ple_takes(layers, make, what):
+    ids = make()
+    for name, layer in layers.items():
+        for entry, (caller, call) in layer_entries(layer, ids).items():
+            with pytest.raises(TypeError) as raised:
+                call()
+            assert str(raised.value) == f"{caller} {DENSE}{what}", (name, entry)
+        assert not layer.looking_ahead
+
+
+def test_the_layers_take_lists_and_arrays_as_ple_gather_does(layers):
+    tokens = [4, 1, 7]
+    for name, layer in layers.items():
+        want = layer(torch.tensor(tokens))
+        for given in (tokens, np.array(tokens)):
+            assert torch.equal(layer(given), want), name
+            assert torch.equal(layer.row_ids(given), layer.row_ids(torch.tensor(tokens))), name
+        layer.table.reset_stats()
+        layer.prefetch(tokens)
+        layer(tokens)
+        assert layer.table.stats()["prefetch_hits"] == 1, name
+        plan = layer.lookahead(layer.row_ids(tokens).tolist(), 1)
+        assert plan is not None and plan.looking_ahead, name
+        layer.end_lookahead(plan)
+
+
+def test_lookahead_takes_row_ids(layers):
+    """Floats are no row ids; an n-gram layer's are [T, heads], and a
+    prompt's tokens given in their place have no dimension of heads."""
+    layer = layers["NGramEmbedding"]
+    with pytest.raises(TypeError) as raised:
+        layer.lookahead(torch.zeros(4, 2), 1)
+    assert str(raised.value) == ("ple: lookahead takes row ids as an int32 or int64 tensor "
+                                 "(layer.row_ids(...)), not torch.float32")
+    with pytest.raises(ValueError) as raised:
+        layer.lookahead(torch.tensor([4, 1, 7]), 1)
+    assert str(raised.value) == ("ple: lookahead splits the row ids [3] along dim -2, which they "
+                                 "do not have: pass layer.row_ids(...) of the whole prompt")
+    assert not layer.looking_ahead
+
+
+def test_a_layer_while_python_finalizes_says_the_process_is_exiting(tmp_path):
+    """Each entry of each layer called in an object's __del__ when the
+    interpreter collects it at exit: refused with ple.gather's message, not
+    torch's argument parser nor an abort."""
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent(f"""
+        import sys, torch
+        from pathlib import Path
+        sys.path.insert(0, {str(Path(__file__).parent)!r})
+        from test_friendly_errors import layer_entries, open_layers
+        layers = open_layers(Path({str(tmp_path)!r}))
+        ids = torch.tensor([1, 2])
+
+        class GathersWhenCollected:
+            def __del__(self):
+                for layer in layers.values():
+                    for _, call in layer_entries(layer, ids).values():
+                        try:
+                            call()
+                            print("gathered", flush=True)
+                        except RuntimeError as error:
+                            print(error, flush=True)
+
+        late = GathersWhenCollected()
+        late.cycle = late  # collected by the interpreter's last collections
+        del late
+    """)
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                            timeout=120)
+    exiting = ("ple: the process is exiting (Python is finalizing its modules): no gather runs "
+               "now; gather before the interpreter exits (an atexit handler still may)")
+    assert (result.returncode, result.stdout, result.stderr) == (0, f"{exiting}\n" * 12, "")
 
 
 def test_a_gguf_file_opened_as_safetensors_says_so(tmp_path):

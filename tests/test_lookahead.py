@@ -16,6 +16,7 @@ its ids."""
 from __future__ import annotations
 
 import copy
+import gc
 import sys
 import threading
 import time
@@ -23,10 +24,12 @@ import time
 import pytest
 import torch
 
+import ple
 from helpers import assert_same_bits, assert_same_bits_but_nan, write_fp8_table
-from ple import GatherConfig
+from ple import GatherConfig, Table
+from ple.kernels.native import native
 from ple.layers import DiskEmbedding, NGramEmbedding
-from ple.layers.lookahead import MOST_BYTES
+from ple.layers.lookahead import MOST_BYTES, lookahead_mib
 from test_layers import LAYER_0, VOCAB_SIZE, EOS_ID, ngram_checkpoint  # noqa: F401 (fixture)
 
 PROMPT_TOKENS = 23
@@ -402,3 +405,194 @@ def test_cuda_forwards_of_other_ids_stay_within_the_bound(embedding):
     assert embedding.lookahead_bytes == 0
     embedding.end_lookahead()
     assert table.prefetched_bytes() == 0
+
+
+# Compiled with fullgraph=True, and captured in a CUDA graph: the plan advances
+# inside the gathers, so the forwards have nothing of their own to do.
+
+class TinyModel(torch.nn.Module):
+    """A DiskEmbedding inside a model: its rows through a linear layer."""
+
+    def __init__(self, table):
+        super().__init__()
+        self.embedding = DiskEmbedding(table, torch.float32)
+        self.proj = torch.nn.Linear(table.cols, 8)
+
+    def forward(self, ids):
+        return self.proj(self.embedding(ids))
+
+
+def chunked_forwards(model, planned: torch.Tensor, device="cpu") -> tuple[list, int]:
+    """The chunks of ``planned`` through ``model`` with a plan over them: the
+    outputs and the table's prefetch hits."""
+    table = model.embedding.table
+    table.reset_stats()
+    model.embedding.lookahead(planned, CHUNK, max_bytes=2 * CHUNK * table.row_bytes)
+    with torch.no_grad():
+        got = [model(chunk.to(device)) for chunk in planned.split(CHUNK, dim=-1)]
+    if device != "cpu":
+        torch.cuda.synchronize()
+    assert not model.embedding.looking_ahead and table.prefetched_bytes() == 0
+    return got, table.stats()["prefetch_hits"]
+
+
+@pytest.mark.slow
+def test_a_model_compiled_with_fullgraph_reads_ahead_as_eager(embedding):
+    """Eager and compiled with fullgraph=True (where a graph break is an
+    error): the same bits and a hit for every chunk, and a forward of other
+    ids ends the plan in the compiled model too."""
+    torch.manual_seed(0)
+    model = TinyModel(embedding.table)
+    planned = random_ids(15, 5)
+    want, want_hits = chunked_forwards(model, planned)
+    compiled = torch.compile(model, fullgraph=True)
+    got, hits = chunked_forwards(compiled, planned)
+    for rows, expected in zip(got, want):
+        assert_same_bits(rows, expected)
+    assert hits == want_hits == 5
+    model.embedding.lookahead(planned, CHUNK)
+    with torch.no_grad():
+        compiled(random_ids(16, 1))
+    assert not model.embedding.looking_ahead and embedding.table.prefetched_bytes() == 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_a_captured_graph_replayed_per_chunk_reads_ahead(embedding):
+    """The layer's forward captured once in a CUDA graph (a static ids
+    buffer) and replayed for each chunk: the plan advances on the replays'
+    gathers, with the bits and the hits of the eager forwards."""
+    layer = embedding
+    planned = random_ids(17, 6)
+    layer.table.reset_stats()
+    layer.lookahead(planned, CHUNK)
+    want = [layer(chunk.cuda()) for chunk in planned.split(CHUNK, dim=-1)]
+    torch.cuda.synchronize()
+    want_hits = layer.table.stats()["prefetch_hits"]
+    static_ids = torch.zeros((1, CHUNK), dtype=torch.int64, device="cuda")
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        layer(static_ids)  # the first call on a device sets up its buffers
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_rows = layer(static_ids)
+    layer.table.reset_stats()
+    layer.lookahead(planned, CHUNK)
+    got = []
+    for chunk in planned.split(CHUNK, dim=-1):
+        static_ids.copy_(chunk)
+        graph.replay()
+        got.append(static_rows.clone())
+    torch.cuda.synchronize()
+    for rows, expected in zip(got, want):
+        assert_same_bits_but_nan(rows, expected)
+    assert layer.table.stats()["prefetch_hits"] == want_hits == 6
+    assert not layer.looking_ahead and layer.table.prefetched_bytes() == 0
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_a_model_compiled_with_fullgraph_and_cuda_graphs_reads_ahead(embedding):
+    """mode="reduce-overhead": torch.compile captures the forward in CUDA
+    graphs and replays them per chunk, with the eager bits and hits."""
+    torch.manual_seed(0)
+    model = TinyModel(embedding.table).cuda()
+    planned = random_ids(18, 6)
+    want, want_hits = chunked_forwards(model, planned, "cuda")
+    compiled = torch.compile(model, fullgraph=True, mode="reduce-overhead")
+    for _ in range(3):  # warm-up, record, then replays
+        chunked_forwards(compiled, planned, "cuda")
+    got, hits = chunked_forwards(compiled, planned, "cuda")
+    for rows, expected in zip(got, want):
+        assert_same_bits_but_nan(rows, expected)
+    assert hits == want_hits == 6
+
+
+# A plan whose layer is gone gives back what it holds.
+
+def test_layers_collected_mid_plan_give_back_their_rows_and_pins(tmp_path):
+    """Eight layers over one table (kept open), each mid-plan with its rows
+    read ahead pinned in the row cache: collecting them drops every
+    prefetch and every pin, and the table serves on."""
+    path = write_fp8_table(tmp_path / "t.safetensors", ROWS)
+    with Table.from_safetensors(path, config=GatherConfig(row_cache_mib=1)) as table:
+        layers = [DiskEmbedding(table) for _ in range(8)]
+        for seed, layer in enumerate(layers):
+            planned = random_ids(20 + seed, 4)
+            layer.lookahead(planned, CHUNK, max_bytes=2 * CHUNK * table.row_bytes)
+            layer(planned[:, :CHUNK])
+        assert table.prefetched_bytes() == 8 * 2 * CHUNK * table.row_bytes
+        deadline = time.monotonic() + 30
+        while native.row_cache_pinned_rows(table._native) == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)  # the prefetch thread pins the rows as it reads them
+        assert native.row_cache_pinned_rows(table._native) > 0
+        del layers, layer
+        gc.collect()
+        assert table.prefetched_bytes() == 0
+        assert native.row_cache_pinned_rows(table._native) == 0
+        ids = random_ids(30, 1)
+        assert_same_bits(DiskEmbedding(table)(ids), ple.gather(table, ids))
+
+
+def test_a_copy_of_a_layer_is_another_owner(embedding):
+    """A copy's gathers are its own: they neither advance nor end the
+    original's plan."""
+    table = embedding.table
+    twin = copy.copy(embedding)
+    assert twin.prefetch_owner != embedding.prefetch_owner and twin.table is table
+    planned = random_ids(31, 3)
+    embedding.lookahead(planned, CHUNK)
+    twin(random_ids(32, 1))
+    assert embedding.looking_ahead
+    table.reset_stats()
+    for chunk in planned.split(CHUNK, dim=-1):
+        embedding(chunk)
+    assert table.stats()["prefetch_hits"] == 3
+
+
+def test_the_three_layers_answer_which_rows_with_one_signature(tmp_path):
+    """row_ids, prefetch and lookahead take the same arguments on the three
+    layers; row_ids is what the forward gathers, and the plan of a prompt's
+    row ids serves each chunk's forward."""
+    import inspect
+
+    from test_friendly_errors import open_layers
+
+    layers = open_layers(tmp_path)
+    for method in ("row_ids", "prefetch", "lookahead"):
+        signatures = {str(inspect.signature(getattr(type(layer), method)))
+                      for layer in layers.values()}
+        assert len(signatures) == 1, (method, signatures)
+    tokens = prompt(40) % 60  # in every table
+    for name, layer in layers.items():
+        with layer.table:
+            ids = layer.row_ids(tokens)
+            assert ids.dtype == torch.int64 and ids.shape[0] == len(tokens), name
+            rows = torch.ops.ple.disk_gather(ids, layer.table.handle, torch.float32)
+            assert_same_bits(layer(tokens), rows.reshape(len(tokens), -1))
+            layer.table.reset_stats()
+            layer.lookahead(ids, 5)
+            for chunk, context in chunks_of(tokens, 5):
+                if isinstance(layer, NGramEmbedding):
+                    layer(chunk, torch.zeros(len(chunk), dtype=torch.int64), context)
+                else:
+                    layer(chunk)
+            assert layer.table.stats()["prefetch_hits"] == 5, name
+
+
+def test_the_bound_is_the_native_queues():
+    assert MOST_BYTES == native.MAX_PENDING_BYTES == 256 << 20
+
+
+@pytest.mark.parametrize("given, mib", [(0, 0), (64, 64), (256, 256), ("8", 8), (" 16 ", 16)])
+def test_a_bound_in_mib(given, mib):
+    assert lookahead_mib(given, "lookahead_mib") == mib
+
+
+@pytest.mark.parametrize("bad", [-1, 257, 1.5, True, None, "lots", "2.0", "257"])
+def test_a_bad_bound_in_mib_names_where_it_was_set(bad):
+    with pytest.raises(ValueError) as raised:
+        lookahead_mib(bad, "PLE_LOOKAHEAD_MIB")
+    assert str(raised.value) == (f"ple: PLE_LOOKAHEAD_MIB must be MiB of rows read ahead, an "
+                                 f"integer in [0, 256] (0: no lookahead), not {bad!r}")

@@ -138,3 +138,43 @@ def test_dropping_an_owners_prefetches_waits_for_one_pushed_out_while_read(tmp_p
         table.drop_prefetches(2)
         ids = torch.tensor([7, 0, 3])
         assert np.array_equal(table.gather_bytes(ids).numpy(), reference[ids.numpy()])
+
+
+def test_a_plan_advances_on_its_owners_gathers_alone(table_and_reference):
+    """Table.plan_prefetches: the chunks are read one bound ahead; the
+    owner's gather of the next chunk takes it and lets the next be read;
+    gathers of other owners leave the plan; a plan replaced is not ended by
+    the old one's end; a gather of the next chunk padded (another size) takes
+    its rows and ends the plan."""
+    table, reference = table_and_reference
+    chunks = [torch.arange(k * 100, (k + 1) * 100) for k in range(4)]
+    chunk_bytes = 100 * ROW_BYTES
+    table.reset_stats()
+    first = table.plan_prefetches(5, chunks, chunk_bytes)
+    assert table.planning(5, first) and table.prefetched_bytes(5) == chunk_bytes
+    for k, chunk in enumerate(chunks[:2]):
+        rows = table.gather_bytes(chunk, owner=5)
+        assert np.array_equal(rows.numpy(), reference[chunk.numpy()])
+        assert table.prefetched_bytes(5) == chunk_bytes  # the next one, read ahead
+        table.gather_bytes(torch.arange(5), owner=6)
+        table.gather_bytes(torch.arange(5))
+        assert table.planning(5, first), k
+    assert table.stats()["prefetch_hits"] == 2
+    second = table.plan_prefetches(5, chunks, chunk_bytes)
+    table.end_plan(5, first)
+    assert second != first and table.planning(5, second) and not table.planning(5, first)
+    padded = torch.cat([chunks[0], torch.arange(7)])
+    rows = table.gather_bytes(padded, owner=5)
+    assert np.array_equal(rows.numpy(), reference[padded.numpy()])
+    assert table.stats()["prefetch_hits"] == 3
+    assert not table.planning(5) and table.prefetched_bytes() == 0
+
+
+def test_a_plan_refuses_a_bound_the_queue_cannot_hold(table_and_reference):
+    table, _ = table_and_reference
+    for bad in (0, -1, (256 << 20) + 1, 1.5):
+        with pytest.raises(ValueError, match=rf"^ple: a plan's bound is more than 0 and at most "
+                                             rf"268435456 bytes \(what a table's prefetches "
+                                             rf"hold\), not {bad}$"):
+            table.plan_prefetches(5, [torch.arange(3)], bad)
+    assert not table.planning(5) and table.prefetched_bytes() == 0

@@ -177,6 +177,40 @@ def test_a_forked_child_prefetches_gathers_and_closes(small_table):
     expect_ok(result, "prefetch, gather, close: 0", "close: 0", "parent ok")
 
 
+def test_a_forked_child_of_a_process_mid_plan_gathers_and_ends_it(small_table):
+    """A fork while a plan reads ahead (Table.plan_prefetches, a layer's
+    lookahead): the child's gathers of the coming chunks get their rows (of
+    the prefetches done at the fork, or read), its end_plan leaves nothing
+    read ahead nor pinned; the parent's plan goes on, every chunk a hit."""
+    result = run_script("""
+        from ple.kernels.native import native
+        t = ple.Table.from_safetensors(PATH, config=ple.GatherConfig(row_cache_mib=1))
+        owner = 7
+        chunks = [torch.arange(k * 500, (k + 1) * 500) * 3 for k in range(6)]
+        t.plan_prefetches(owner, chunks, 2 * 500 * 64)
+        check(chunks[0], t.gather_bytes(chunks[0], owner=owner))
+
+        pid = os.fork()
+        if pid == 0:
+            try:
+                for chunk in chunks[1:]:
+                    check(chunk, t.gather_bytes(chunk, owner=owner))
+                t.end_plan(owner)
+                assert t.prefetched_bytes() == 0 and not t.planning(owner)
+                assert native.row_cache_pinned_rows(t._native) == 0
+                os._exit(0)
+            except BaseException:
+                traceback.print_exc()
+                os._exit(1)
+        print("child:", wait_child(pid, 30))
+        t.reset_stats()
+        for chunk in chunks[1:]:
+            check(chunk, t.gather_bytes(chunk, owner=owner))
+        print("parent hits:", t.stats()["prefetch_hits"], t.prefetched_bytes(), t.planning(owner))
+    """, small_table)
+    expect_ok(result, "child: 0", "parent hits: 5 0 False")
+
+
 def test_multiprocessing_fork_and_dataloader_workers_gather_from_the_parents_table(small_table):
     result = run_script("""
         import multiprocessing as mp
