@@ -373,7 +373,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def(
       "launch_host_gather",
       [](uintptr_t stream, int64_t handle, uintptr_t ids, int64_t n, int64_t resident_begin,
-         int64_t resident_end, uintptr_t staging, uintptr_t status, bool capturing, uint64_t owner) {
+         int64_t resident_end, uintptr_t staging, uintptr_t status, bool capturing,
+         uint64_t owner) {
         ple::launch_host_gather({handle, stream, reinterpret_cast<const int64_t*>(ids), n,
                                  {resident_begin, resident_end}, reinterpret_cast<uint8_t*>(staging),
                                  reinterpret_cast<int32_t*>(status), owner},

@@ -137,6 +137,27 @@ void PrefetchQueue::end_plan_locked(std::unique_lock<std::mutex>& lock, uint64_t
   drop_locked(lock, owner, UINT64_MAX);
 }
 
+void PrefetchQueue::forward_plan_locked(std::unique_lock<std::mutex>& lock, uint64_t owner,
+                                        const PrefetchRequest* taken, int64_t n,
+                                        ResidentRange resident) {
+  auto it = plans_.find(owner);
+  if (it == plans_.end()) return;
+  auto& read = it->second.read;  // never empty: a plan with nothing read is gone
+  if (taken == nullptr || taken->owner != owner || taken->ticket != read.front().first ||
+      n != read.front().second) {
+    end_plan_locked(lock, owner);  // other ids, or another size: not the plan's forward
+    return;
+  }
+  read.pop_front();
+  try {
+    read_ahead_locked(owner, resident);
+  } catch (const std::exception&) {
+    // No memory for the next chunk: the plan ends, and the gather goes on.
+    end_plan_locked(lock, owner);
+  }
+  changed_.notify_all();
+}
+
 void PrefetchQueue::read_ahead_locked(uint64_t owner, ResidentRange resident) {
   auto it = plans_.find(owner);
   if (it == plans_.end()) return;
@@ -277,27 +298,7 @@ PrefetchQueue::Taken PrefetchQueue::take(const void* ids, bool ids_are_int64, in
     }
   }
   if (request != nullptr) request->taken = true;  // nobody drops it now: the worker will get to it
-  if (owner != 0) {
-    auto plan = plans_.find(owner);
-    if (plan != plans_.end()) {
-      const auto& next = plan->second.read.front();
-      if (request != nullptr && request->owner == owner && request->ticket == next.first &&
-          n == next.second) {
-        plan->second.read.pop_front();
-        bool read = false;
-        try {
-          read_ahead_locked(owner, resident);
-          read = true;
-        } catch (const std::exception&) {
-          // No memory for the next chunk: the plan ends, this gather goes on.
-        }
-        if (!read) end_plan_locked(lock, owner);
-        changed_.notify_all();
-      } else {
-        end_plan_locked(lock, owner);  // other ids, or another size: not the plan's forward
-      }
-    }
-  }
+  if (owner != 0) forward_plan_locked(lock, owner, request.get(), n, resident);
   if (request == nullptr) return others ? Taken::kMissed : Taken::kNothingPending;
   while (!changed_.wait_for(lock, kPollInterval, [&] { return request->done; })) {
     lock.unlock();

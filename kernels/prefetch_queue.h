@@ -171,6 +171,12 @@ class PrefetchQueue {
   // drop_untaken, the lock held by `lock`, which its wait releases meanwhile.
   uint64_t drop_locked(std::unique_lock<std::mutex>& lock, std::optional<uint64_t> owner,
                        uint64_t through);
+  // A gather of `owner` (its plan's forward, if it has one) that took
+  // `taken` (null: nothing) for `n` ids: the plan advances when that is its
+  // next chunk, and ends otherwise (the lock held by `lock`, released while
+  // it waits for a read it drops).
+  void forward_plan_locked(std::unique_lock<std::mutex>& lock, uint64_t owner,
+                           const PrefetchRequest* taken, int64_t n, ResidentRange resident);
   // Pushes the plan's next chunks while they fit its bound (the lock held);
   // a plan left with nothing to come is forgotten.
   void read_ahead_locked(uint64_t owner, ResidentRange resident);

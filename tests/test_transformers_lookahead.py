@@ -143,7 +143,8 @@ def test_generate_of_a_model_compiled_with_fullgraph_looks_ahead(checkpoints):
         for table in tables(served).values():
             table.reset_stats()
         tokens, logits = generate(served, ids, 4)
-        return tokens, logits, {name: t.stats()["prefetch_hits"] for name, t in tables(served).items()}
+        hits = {name: table.stats()["prefetch_hits"] for name, table in tables(served).items()}
+        return tokens, logits, hits
 
     want_tokens, want_logits, want_hits = chunked_generate()
     served.forward = torch.compile(served.forward, fullgraph=True, backend="eager")
