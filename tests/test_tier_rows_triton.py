@@ -247,7 +247,8 @@ def check_reads_of(tiers, table, n: int, interpreted) -> None:
 # --- compilation of the variants the operator launches, without a GPU ------------
 
 COMPILE_SCRIPT = r"""
-from ple.kernels.decode_gguf_triton import LAUNCH_OPTIONS, decode_blocks_kernel
+from ple.kernels.decode_gguf_k_triton import decode_k_blocks_kernel
+from ple.kernels.gguf_bits_triton import LAUNCH_OPTIONS
 from ple.kernels.decode_triton import MAX_BLOCK, decode_rows_kernel
 from ple.kernels.tier_rows_triton import CHECK_BLOCK, SCAN_MAX_IDS, check_ids_kernel
 assert type(decode_rows_kernel).__name__ == "JITFunction"
@@ -259,7 +260,7 @@ TIERS = {"ids_ptr": "*i64", "device_ptr": "*u8", "host_ptr": "*u8", "first_row":
 # smallest and the largest scan).
 VARIANTS = {"status": (True, 0), "scan16": (False, 16), "scan_max": (False, SCAN_MAX_IDS)}
 DECODERS = {"fp8_e4m3fn": (decode_rows_kernel, {"scale": "fp32"}, {}, {}),
-            "q4_k": (decode_blocks_kernel, {}, {"QK": 256, "BB": 144}, LAUNCH_OPTIONS)}
+            "q4_k": (decode_k_blocks_kernel, {}, {"BB": 144}, LAUNCH_OPTIONS)}
 
 results = {}
 for cc in json.loads(sys.argv[1]):
