@@ -1,14 +1,16 @@
-"""The GPU decoder of GGUF super-blocks of 256 values with sub-block scales:
-Q2_K, Q3_K, Q4_K, Q5_K, Q6_K and IQ4_XS, in one Triton kernel specialized
-by ``FMT`` (kernels/decode_gguf_triton.py's ``decode_blocks_triton``
-launches it; kernels/gguf_bits_triton.py says what the decoders share and
-why they are bit-identical to ``gguf.quants.dequantize``).
+"""The GPU decoder of GGUF super-blocks of 256 values without grids: Q2_K,
+Q3_K, Q4_K, Q5_K, Q6_K and IQ4_XS (sub-block scales), TQ1_0 and TQ2_0
+(ternary), in one Triton kernel specialized by ``FMT``
+(kernels/decode_gguf_triton.py's ``decode_blocks_triton`` launches it;
+kernels/gguf_bits_triton.py says what the decoders share and why they are
+bit-identical to ``gguf.quants.dequantize``).
 
 Each value is a sub-block scale times a quant, less a sub-block minimum for
-Q2_K, Q4_K and Q5_K.  The products are exact in float32 (at most 24
-significant bits: an f16 scale's 11, a 4- to 8-bit sub-block scale and a
-2- to 7-bit quant), so the only float32 rounding is the subtraction of the
-minimum, which the launches keep from fusing into an FMA.
+Q2_K, Q4_K and Q5_K; a ternary value is the block's f16 scale times -1, 0
+or 1.  The products are exact in float32 (at most 24 significant bits: an
+f16 scale's 11, a 4- to 8-bit sub-block scale and a 2- to 7-bit quant), so
+the only float32 rounding is the subtraction of the minimum, which the
+launches keep from fusing into an FMA.
 
 Only imported where triton is available.
 """
@@ -120,6 +122,21 @@ def decode_k_blocks_kernel(
         sc = tl.load((blk + 192 + k // 16).to(tl.pointer_type(tl.int8)), mask=mask)
         q = (lo | (hi << 4)) - 32
         v = (f16_at(blk + 208, mask) * sc.to(tl.float32)) * q.to(tl.float32)
+    elif FMT == "tq2_0":
+        # 64 bytes of 2-bit quants (Q2_K's order), then d: f16.  gguf: d * (q - 1).
+        q = ((u8_at(blk + crumb_at, mask) >> crumb_shift) & 3) - 1
+        v = f16_at(blk + 64, mask) * q.to(tl.float32)
+    elif FMT == "tq1_0":
+        # 48 bytes, then 4 bytes qh, then d: f16.  Each byte packs 5 (qh: 4)
+        # base-3 digits as a fixed-point fraction of 256: value p of byte b is
+        # ((b * 3^p mod 256) * 3) >> 8.  Bytes 0-31 hold values 32p + b (p < 5),
+        # bytes 32-47 values 160 + 16p + (b - 32), qh values 240 + 4p + b.
+        # gguf: d * (digit - 1).
+        at = tl.where(k < 160, k % 32, tl.where(k < 240, 32 + (k - 160) % 16, 48 + (k - 240) % 4))
+        p = tl.where(k < 160, k // 32, tl.where(k < 240, (k - 160) // 16, (k - 240) // 4))
+        power = tl.where(p < 2, 1 + 2 * p, tl.where(p == 2, 9, tl.where(p == 3, 27, 81)))  # 3^p
+        digit = (((u8_at(blk + at, mask) * power) & 255) * 3) >> 8
+        v = f16_at(blk + 52, mask) * (digit - 1).to(tl.float32)
     else:  # "iq4_xs"
         # d: f16; 2 bytes of the top 2 bits of the 8 sub-block scales (bit
         # pair s % 4 of byte s // 4); 4 bytes of their low 4 bits (nibble s % 2
@@ -136,7 +153,7 @@ def decode_k_blocks_kernel(
     store_values(out_ptr, row, cols, offs, v, failed, BLOCK)
 
 
-K_FORMAT_NAMES = ("q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "iq4_xs")
+K_FORMAT_NAMES = ("q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "iq4_xs", "tq1_0", "tq2_0")
 
 
 def decode_k_blocks_triton(staged: torch.Tensor | None, fmt: RowFormat, scale: float,

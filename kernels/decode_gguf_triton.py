@@ -4,8 +4,9 @@ kernel per family of block types.
 ``decode_blocks_triton`` launches the family's kernel of a row format: this
 file's kernel decodes the small blocks of 32 or 64 values with one or two
 scales (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL, MXFP4, NVFP4);
-kernels/decode_gguf_k_triton.py the super-blocks of 256 values with
-sub-block scales (the K-quants, IQ4_XS).  What they share, and why they are
+kernels/decode_gguf_k_triton.py the super-blocks of 256 values without
+grids (the K-quants, IQ4_XS, TQ1_0, TQ2_0); kernels/decode_gguf_iq_triton.py
+those with grids (IQ1_S, IQ1_M, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S).  What they share, and why they are
 bit-identical to ``gguf.quants.dequantize`` followed by torch's cast, is in
 kernels/gguf_bits_triton.py.  Block layouts: gguf/quants.py (each kernel's
 comments say where a lane finds its value's bits and scales).
@@ -28,6 +29,7 @@ import triton
 import triton.language as tl
 
 from ple.formats import RowFormat
+from ple.kernels.decode_gguf_iq_triton import IQ_FORMAT_NAMES, decode_iq_blocks_triton
 from ple.kernels.decode_gguf_k_triton import K_FORMAT_NAMES, decode_k_blocks_triton
 from ple.kernels.decode_triton import launch_decoder
 from ple.kernels.gguf_bits_triton import (E2M1_HI, E2M1_LO, IQ4_NL_HI, IQ4_NL_LO, LAUNCH_OPTIONS,
@@ -146,6 +148,8 @@ def decode_blocks_triton(staged: torch.Tensor | None, fmt: RowFormat, scale: flo
     ``tiers``: read each row where it lies instead (``launch_decoder``)."""
     if fmt.name in K_FORMAT_NAMES:
         return decode_k_blocks_triton(staged, fmt, scale, out, status, tiers)
+    if fmt.name in IQ_FORMAT_NAMES:
+        return decode_iq_blocks_triton(staged, fmt, scale, out, status, tiers)
     if fmt.name not in FORMAT_NAMES:
         raise ValueError(f"no Triton block decoder for row format {fmt.name!r}")
     return launch_decoder(decode_blocks_kernel, staged, fmt, out, status, tiers, QK=fmt.block_size,

@@ -5,14 +5,16 @@ family kernels it launches), without a GPU.
   ``gguf.quants.dequantize`` followed by torch's cast, for every block format
   ple reads, every output dtype, rows of 1, 2 and 5 blocks and rows wider than
   a program's column block.  The blocks are random bytes with random finite
-  f16 scales (subnormals, -0 and the largest included), so every quant, sign,
-  grid index and sub-block scale pattern occurs; rows that gguf can quantize
-  to are also gguf's quantization of normal-looking weights.  Infinite and NaN
+  f16 scales (subnormals, -0 and the largest included), so that quants,
+  signs, grid indices and sub-block scales take all their bit patterns; rows
+  that gguf can quantize to are also gguf's quantization of normal-looking
+  weights.  Infinite and NaN
   f16 scales, every MXFP4 and NVFP4 scale byte, and arbitrary bytes
   (hypothesis) compare too: NaN need only be NaN where gguf's is, every other
   value (infinities and -0 included) to the bit.
 * Compiled with ``triton.compile`` for sm_70, sm_75, sm_80 and sm_90 (in a
-  subprocess without TRITON_INTERPRET), with the options the launchers use:
+  subprocess without TRITON_INTERPRET; every format, and each kernel's store
+  to every output dtype), with the options the launchers use:
   PTX and cubin come out, the PTX has no fp8 or bf16 conversion instruction (the
   kernels must run on V100 and Turing), no flush to zero, and no FMA (gguf rounds
   each product, sum and difference on its own; with fusion on, Q4_K's
@@ -20,8 +22,9 @@ family kernels it launches), without a GPU.
 
 The interpreter runs the kernels' Python with numpy, so it checks the kernels'
 operations, not what ptxas makes of them; the compile tests check the
-instructions.  Nothing here runs on a GPU (tests/test_gguf_table.py's CUDA
-tests compare the GPU's values with the CPU's).
+instructions, and the CUDA tests (skipped without a GPU) the GPU's values,
+against gguf's (as tests/test_gguf_table.py's CUDA tests do through the
+operator).
 
 TRITON_INTERPRET is read when ``@triton.jit`` decorates a function, so the
 interpreted copies of the kernel modules and of the modules they import
@@ -46,18 +49,19 @@ from gguf.quants import dequantize, quantize  # noqa: E402
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 from helpers import (COMPILE_CCS, F16_SPECIAL_BITS, GGUF_F16_SCALES, OUT_SIGNATURE,  # noqa: E402
-                     assert_runs_on_old_gpus, assert_same_bits_but_nan, compile_for_targets,
+                     assert_runs_on_old_gpus, assert_same_bits_but_nan, compile_in_subprocess,
                      dtype_id, load_interpreted, random_gguf_blocks)
 
 import ple.kernels  # noqa: E402
 from ple.formats import BLOCK_FORMATS, FORMATS, OUTPUT_DTYPES  # noqa: E402
+from ple.gguf_grids import GRID_OF_FORMAT, format_grid  # noqa: E402
 
 KERNELS = Path(ple.kernels.__path__[0])
 FORMAT_NAMES = tuple(BLOCK_FORMATS)
 BLOCKS_PER_ROW = (1, 2, 5)
 ROWS = 4
 # The formats gguf.quants.quantize writes.
-QUANTIZED = ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "mxfp4")
+QUANTIZED = ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "tq1_0", "tq2_0", "mxfp4")
 # f16 scales that are not finite: inf, -inf, a quiet and a signalling NaN.
 F16_NONFINITE_BITS = (0x7C00, 0xFC00, 0x7E00, 0xFD01)
 
@@ -72,18 +76,27 @@ def interp():
     """The kernel module with its kernels interpreted (helpers.load_interpreted);
     the family modules it launches, and what they import, are interpreted too."""
     mod = load_interpreted(KERNELS / "decode_gguf_triton.py")
-    assert type(mod.decode_blocks_kernel).__name__ == "InterpretedFunction"
-    k_kernel = kernel_globals(mod, "q4_k")["decode_k_blocks_kernel"]
-    assert type(k_kernel).__name__ == "InterpretedFunction"
+    for launcher, kernel, _ in FAMILIES:
+        assert type(getattr(mod, launcher).__globals__[kernel]).__name__ == "InterpretedFunction"
     return mod
 
 
-def kernel_globals(interp, name: str) -> dict:
+# Each family of formats: its launcher (which kernels/decode_gguf_triton.py
+# holds or imports), its kernel, and the tuple of its formats' names.
+FAMILIES = (("decode_blocks_triton", "decode_blocks_kernel", "FORMAT_NAMES"),
+            ("decode_k_blocks_triton", "decode_k_blocks_kernel", "K_FORMAT_NAMES"),
+            ("decode_iq_blocks_triton", "decode_iq_blocks_kernel", "IQ_FORMAT_NAMES"))
+
+
+def family(interp, name: str) -> tuple[dict, str]:
     """The globals of the interpreted module whose kernel decodes format
-    ``name`` (the family modules are in no sys.modules entry once loaded)."""
-    if name in interp.FORMAT_NAMES:
-        return vars(interp)
-    return interp.decode_k_blocks_triton.__globals__
+    ``name`` (the family modules are in no sys.modules entry once loaded),
+    and that kernel's name."""
+    for launcher, kernel, names in FAMILIES:
+        module = getattr(interp, launcher).__globals__
+        if name in module[names]:
+            return module, kernel
+    raise KeyError(name)
 
 
 # --- staged blocks ----------------------------------------------------------------
@@ -220,6 +233,27 @@ def test_cuda_matches_gguf_dequantize(name, dtype):
             assert_same_bits_but_nan(out, want)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_grid_copied_first_inside_a_capture_is_an_error(monkeypatch):
+    """A grid reaches a device by a copy from the host, which a CUDA graph
+    cannot capture: the first decode of its format there must come before."""
+    from ple.kernels import decode_gguf_iq_triton as iq
+    monkeypatch.setattr(iq, "_grids", {})
+    fmt = BLOCK_FORMATS["iq2_xs"]
+    staged = staged_blocks("iq2_xs", 2, seed=0)
+    rows, out = staged.cuda(), torch.empty(ROWS, 512, device="cuda")
+    with pytest.raises(RuntimeError, match="gather from the table once on cuda:0 before capturing"):
+        with torch.cuda.graph(torch.cuda.CUDAGraph()):
+            iq.decode_iq_blocks_triton(rows, fmt, 1.0, out)
+    iq.decode_iq_blocks_triton(rows, fmt, 1.0, out)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        iq.decode_iq_blocks_triton(rows, fmt, 1.0, out)
+    out.zero_()
+    graph.replay()
+    assert_bit_identical(out, reference(staged, "iq2_xs", torch.float32))
+
+
 # database=None: no .hypothesis directory in the repository; the same examples
 # every run (derandomize) unless PLE_FUZZ_EXAMPLES asks for a longer search.
 FUZZ = settings(max_examples=int(os.environ.get("PLE_FUZZ_EXAMPLES", 30)), deadline=None,
@@ -248,9 +282,33 @@ def test_level_tables_are_ggufs(interp):
             == tuple(gguf.quants.NVFP4.kvalues))
 
 
+@pytest.mark.parametrize("name", sorted(GRID_OF_FORMAT))
+def test_grids_are_ggufs(interp, name):
+    """ple's grids (ple/gguf_grids.py) hold gguf's values, one table a grid:
+    IQ1_M's is IQ1_S's, on the host and on a device."""
+    cls = getattr(gguf.quants, GRID_OF_FORMAT[name])
+    cls.init_grid()
+    assert np.array_equal(format_grid(name).astype(np.float32), cls.grid.reshape(cls.grid_shape))
+    grid_on = interp.decode_iq_blocks_triton.__globals__["grid_on"]
+    on_cpu = grid_on(BLOCK_FORMATS[name], torch.device("cpu"))
+    assert np.array_equal(on_cpu.numpy(), format_grid(name).reshape(-1))
+    assert grid_on(BLOCK_FORMATS[name], torch.device("cpu")) is on_cpu
+    if name == "iq1_m":
+        assert format_grid("iq1_m") is format_grid("iq1_s")
+        assert grid_on(BLOCK_FORMATS["iq1_s"], torch.device("cpu")) is on_cpu
+
+
+def test_ksigns_are_seven_bits_and_their_parity():
+    """The decoder computes gguf's sign table (``ksigns``) instead of reading it."""
+    index = np.arange(128)
+    parity = np.array([bin(i).count("1") & 1 for i in index])
+    assert np.array_equal(np.frombuffer(gguf.quants.IQ2_XXS.ksigns, dtype=np.uint8),
+                          index | (parity << 7))
+
+
 def test_block_formats_are_all_covered(interp):
-    kernels = (interp.FORMAT_NAMES, kernel_globals(interp, "q4_k")["K_FORMAT_NAMES"])
-    assert sorted(sum(kernels, ())) == sorted(FORMAT_NAMES)
+    names = [getattr(interp, launcher).__globals__[names] for launcher, _, names in FAMILIES]
+    assert sorted(sum(names, ())) == sorted(FORMAT_NAMES)
 
 
 @pytest.mark.parametrize("dtype", OUTPUT_DTYPES, ids=dtype_id)
@@ -272,11 +330,10 @@ def test_failed_status_gives_nan_rows(interp, name, dtype):
     assert out.isnan().all()
 
 
-@pytest.mark.parametrize("name", ["q4_1", "q5_k"])
+@pytest.mark.parametrize("name", ["q4_1", "q5_k", "iq2_xxs"])
 def test_launch_disables_fp_fusion(interp, monkeypatch, name):
     """The compile tests below compile with LAUNCH_OPTIONS; the launchers must pass them."""
-    module = kernel_globals(interp, name)
-    kernel = "decode_blocks_kernel" if name in interp.FORMAT_NAMES else "decode_k_blocks_kernel"
+    module, kernel = family(interp, name)
     assert module["LAUNCH_OPTIONS"] == {"enable_fp_fusion": False}
     launches = []
 
@@ -312,6 +369,7 @@ FMA = re.compile(r"\b(fma|mad)\.[\w.]*f(16|32)(x2)?\b")  # a fused float multipl
 COMPILE_SCRIPT = r"""
 from ple.formats import BLOCK_FORMATS
 from ple.kernels.decode_gguf_triton import FORMAT_NAMES, decode_blocks_kernel
+from ple.kernels.decode_gguf_iq_triton import IQ_FORMAT_NAMES, decode_iq_blocks_kernel
 from ple.kernels.decode_gguf_k_triton import decode_k_blocks_kernel
 from ple.kernels.decode_triton import MAX_BLOCK
 from ple.kernels.gguf_bits_triton import LAUNCH_OPTIONS
@@ -319,35 +377,50 @@ assert type(decode_blocks_kernel).__name__ == "JITFunction"
 
 def build(cc, name, out, options):
     fmt = BLOCK_FORMATS[name]
+    args = {}
     if name in FORMAT_NAMES:
         kernel, meta = decode_blocks_kernel, {"QK": fmt.block_size, "BB": fmt.block_bytes}
+    elif name in IQ_FORMAT_NAMES:
+        kernel, meta, args = decode_iq_blocks_kernel, {"BB": fmt.block_bytes}, {"grid_ptr": "*i8"}
     else:
         kernel, meta = decode_k_blocks_kernel, {"BB": fmt.block_bytes}
     constexprs = {"FMT": name, "BLOCK": MAX_BLOCK, **NO_TIERS_CONSTEXPRS, **meta}
     signature = {"rows_ptr": "*u8", "status_ptr": "*i32", "out_ptr": "*" + out, "cols": "i32",
-                 "row_bytes": "i32", **NO_TIERS_SIGNATURE, **{c: "constexpr" for c in constexprs}}
+                 "row_bytes": "i32", **NO_TIERS_SIGNATURE, **args,
+                 **{c: "constexpr" for c in constexprs}}
     src = triton.compiler.ASTSource(fn=kernel, signature=signature, constexprs=constexprs)
     return compile_summary(src, cc, options)
 
 results = {}
 for cc in json.loads(sys.argv[1]):
-    for name in json.loads(sys.argv[2]):
-        for out in json.loads(sys.argv[3]):
-            results[f"{cc}-{name}-{out}"] = build(cc, name, out, LAUNCH_OPTIONS)
+    for name, out in json.loads(sys.argv[2]):
+        results[f"{cc}-{name}-{out}"] = build(cc, name, out, LAUNCH_OPTIONS)
 # The same Q4_K kernel with fusion on: shows the FMA check below can see one.
 results["fused-q4_k"] = build(75, "q4_k", "fp32", {**LAUNCH_OPTIONS, "enable_fp_fusion": True})
 print(json.dumps(results))
 """
 
 
+# What is compiled for each target: every format to float32, and one format of
+# each kernel to every output dtype.  The output dtype changes only the store
+# (gguf_bits_triton.store_values), which every format of a kernel shares: the
+# values are float32 until then.
+COMPILED = ([(name, torch.float32) for name in FORMAT_NAMES]
+            + [(name, dtype) for name in ("q4_1", "q5_k", "iq2_s")
+               for dtype in OUTPUT_DTYPES if dtype != torch.float32])
+
+
 @pytest.fixture(scope="module")
 def compiled(tmp_path_factory):
-    """Every (target, format, output dtype) compiled in one subprocess."""
-    return compile_for_targets(COMPILE_SCRIPT, FORMAT_NAMES, tmp_path_factory.mktemp("triton-cache"))
+    """Every target and COMPILED pair compiled in one subprocess (about a minute)."""
+    pairs = [(name, OUT_SIGNATURE[dtype]) for name, dtype in COMPILED]
+    return compile_in_subprocess(COMPILE_SCRIPT, [COMPILE_CCS, pairs],
+                                 tmp_path_factory.mktemp("triton-cache"))
 
 
-@pytest.mark.parametrize("dtype", OUTPUT_DTYPES, ids=dtype_id)
-@pytest.mark.parametrize("name", FORMAT_NAMES)
+@pytest.mark.slow
+@pytest.mark.parametrize("name, dtype", COMPILED,
+                         ids=lambda x: x if isinstance(x, str) else dtype_id(x))
 @pytest.mark.parametrize("cc", COMPILE_CCS, ids=lambda cc: f"sm_{cc}")
 def test_compiles_for_target(compiled, cc, name, dtype):
     result = compiled[f"{cc}-{name}-{OUT_SIGNATURE[dtype]}"]
@@ -355,6 +428,7 @@ def test_compiles_for_target(compiled, cc, name, dtype):
     assert not FMA.search(result["ptx"])  # each product and sum rounded on its own, as gguf does
 
 
+@pytest.mark.slow
 def test_fma_check_sees_fused_q4_k(compiled):
     result = compiled["fused-q4_k"]
     assert "error" not in result, result.get("error")

@@ -21,7 +21,7 @@ rng = np.random.default_rng(0)
 
 # The formats gguf.quants.quantize writes; the tables of the other block
 # formats are random blocks with finite f16 scales.
-QUANTIZED = {"BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "MXFP4"}
+QUANTIZED = {"BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "TQ1_0", "TQ2_0", "MXFP4"}
 FORMATS = {"F32": Q.F32, "F16": Q.F16, "BF16": Q.BF16,
            **{name.upper(): Q[name.upper()] for name in BLOCK_FORMATS}}
 
