@@ -2,6 +2,8 @@
 gguf.quants.dequantize of the same rows, and every bad file."""
 
 import os
+import re
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -87,6 +89,27 @@ def test_formats_have_ggufs_block_sizes(name):
     assert fmt.row_bytes(block_size) == block_bytes
     assert fmt.gguf_type in (None, int(qtype))
     assert not fmt.is_block or (fmt.block_size, fmt.gguf_type) == (block_size, int(qtype))
+
+
+def test_the_docs_list_every_block_format_and_its_decoders():
+    """docs/tables.md's table of block types: each of BLOCK_FORMATS, its
+    sizes, bits per value and the Triton kernel that decodes it."""
+    pytest.importorskip("triton")
+    from ple.kernels import decode_gguf_iq_triton, decode_gguf_k_triton, decode_gguf_triton
+
+    kernels = {"decode_gguf_triton": decode_gguf_triton.FORMAT_NAMES,
+               "decode_gguf_k_triton": decode_gguf_k_triton.K_FORMAT_NAMES,
+               "decode_gguf_iq_triton": decode_gguf_iq_triton.IQ_FORMAT_NAMES}
+    text = (Path(__file__).resolve().parents[1] / "docs" / "tables.md").read_text()
+    rows = re.findall(r"^\| (\w+) \| `(\w+)` \| (\d+) \| (\d+) \| ([\d.]+) \| "
+                      r"`gguf.quants.dequantize` \| `(\w+)\.py` \|$", text, re.M)
+    listed = {fmt: (name, int(size), int(nbytes), float(bits), kernel)
+              for name, fmt, size, nbytes, bits, kernel in rows}
+    assert listed == {
+        fmt.name: (fmt.name.upper(), fmt.block_size, fmt.block_bytes,
+                   fmt.block_bytes * 8 / fmt.block_size,
+                   next(k for k, names in kernels.items() if fmt.name in names))
+        for fmt in BLOCK_FORMATS.values()}
 
 
 def test_not_gguf(tmp_path):
