@@ -6,15 +6,17 @@ file's kernel decodes the small blocks of 32 or 64 values with one or two
 scales (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL, MXFP4, NVFP4);
 kernels/decode_gguf_k_triton.py the super-blocks of 256 values without
 grids (the K-quants, IQ4_XS, TQ1_0, TQ2_0); kernels/decode_gguf_iq_triton.py
-those with grids (IQ1_S, IQ1_M, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S).  What they share, and why they are
-bit-identical to ``gguf.quants.dequantize`` followed by torch's cast, is in
+those with grids (IQ1_S, IQ1_M, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S).
+What they share, and why they are bit-identical to
+``gguf.quants.dequantize`` followed by torch's cast, is in
 kernels/gguf_bits_triton.py.  Block layouts: gguf/quants.py (each kernel's
 comments say where a lane finds its value's bits and scales).
 
-Every product here is exact in float32 (the significant bits of its factors
-add up to at most 24: an f16 scale's 11 and a quant's 4 to 7; a power of two
-for MXFP4, which may overflow to infinity as gguf's does), so the only
-float32 roundings are Q4_1's and Q5_1's final sums.
+Every product here is exact in float32: the significant bits of its factors
+add up to at most 18 (an f16 scale's 11, or NVFP4's E4M3 scale's 4, and a
+quant's at most 7), and MXFP4's scale is a power of two (whose products may
+overflow to infinity, as gguf's do).  So the only float32 roundings are
+Q4_1's and Q5_1's final sums.
 
 Each row is read from the staged rows or, with tiers, where it lies, as in
 kernels/decode_triton.py (kernels/tier_rows_triton.py's ``call_row``).
