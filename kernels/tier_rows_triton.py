@@ -1,8 +1,9 @@
 """Where each row of a CUDA gather lies: device memory (the table's device
 tier), pinned host memory read over UVA (the host tier) or the staged disk
-rows.  The decoders (kernels/decode_triton.py, kernels/decode_gguf_triton.py)
-call ``call_row`` first and read each row straight from its source, so that
-a call with tiers is one kernel, with no assembled copy of its rows.
+rows.  The decoders (kernels/decode_triton.py, and the GGUF block decoders
+that kernels/decode_gguf_triton.py launches) call ``call_row`` first and
+read each row straight from its source, so that a call with tiers is one
+kernel, with no assembled copy of its rows.
 
 ``call_row`` also counts the rows each tier served, and says whether the
 call failed, in which case the decoder writes NaN for the whole call.  A call

@@ -37,7 +37,6 @@ that plans anew see whole plans.
 from __future__ import annotations
 
 import itertools
-import re
 import weakref
 from collections import deque
 
@@ -55,8 +54,6 @@ DEFAULT_MAX_BYTES = 64 << 20
 # What a table's prefetches may hold before the oldest are dropped.
 MOST_BYTES = native.MAX_PENDING_BYTES
 
-DECIMAL = re.compile(r"[+-]?[0-9]+")
-
 # Owners of prefetches (Table.prefetch's owner): one per layer and per
 # ReadAhead; 0 is nobody's.
 _owners = itertools.count(1)
@@ -69,17 +66,18 @@ def check_max_bytes(max_bytes) -> None:
                          f"table's prefetches hold at most that), not {max_bytes!r}")
 
 
-def lookahead_mib(value, where: str) -> int:
-    """``value``, a lookahead bound in MiB (0: no lookahead; at most what a
-    table's prefetches hold), as an int: an int, or its decimal text (as an
-    environment variable gives it).  Anything else is a ValueError that names
-    ``where`` (the argument, variable or key that set it) and the value."""
+def lookahead_mib(value, where: str, given=None) -> int:
+    """``value``, a lookahead bound in MiB: an int from 0 (no lookahead) to
+    what a table's prefetches hold.  Anything else is a ValueError that names
+    ``where`` (the argument, variable or key that set it) and the value as
+    it was ``given`` (default: ``value``; a variable's text, say, that the
+    caller read as ``value``, or as None where it is no whole number)."""
     most = MOST_BYTES >> 20
-    mib = int(value) if isinstance(value, str) and DECIMAL.fullmatch(value.strip()) else value
-    if not isinstance(mib, int) or isinstance(mib, bool) or not 0 <= mib <= most:
+    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= most:
+        given = value if given is None else given
         raise ValueError(f"ple: {where} must be MiB of rows read ahead, an integer in "
-                         f"[0, {most}] (0: no lookahead), not {value!r}")
-    return mib
+                         f"[0, {most}] (0: no lookahead), not {given!r}")
+    return value
 
 
 class ReadAhead:

@@ -49,19 +49,42 @@ VALUE_FORMATS = {
         RowFormat("i8", "I8", torch.int8, scaled=True),
     )
 }
-# GGUF block formats: sizes from gguf.GGML_QUANT_SIZES, values from
-# gguf.quants.dequantize (docs/design.md, "Formats").
+
+
+def _block_format(name: str, gguf_type: int, block_size: int, block_bytes: int) -> RowFormat:
+    return RowFormat(name, None, torch.uint8, scaled=False, gguf_type=gguf_type,
+                     block_size=block_size, block_bytes=block_bytes)
+
+
+# GGUF block formats, every type gguf.quants.dequantize decodes: the GGML type,
+# values and bytes per block (gguf.GGML_QUANT_SIZES); values are
+# gguf.quants.dequantize's (docs/design.md, "Formats").
 BLOCK_FORMATS = {
     f.name: f
     for f in (
-        RowFormat("q8_0", None, torch.uint8, scaled=False, gguf_type=8, block_size=32, block_bytes=34),
-        RowFormat("q4_0", None, torch.uint8, scaled=False, gguf_type=2, block_size=32, block_bytes=18),
-        RowFormat("iq4_nl", None, torch.uint8, scaled=False, gguf_type=20, block_size=32,
-                  block_bytes=18),
-        RowFormat("q4_k", None, torch.uint8, scaled=False, gguf_type=12, block_size=256,
-                  block_bytes=144),
-        RowFormat("q6_k", None, torch.uint8, scaled=False, gguf_type=14, block_size=256,
-                  block_bytes=210),
+        _block_format("q4_0", 2, 32, 18),
+        _block_format("q4_1", 3, 32, 20),
+        _block_format("q5_0", 6, 32, 22),
+        _block_format("q5_1", 7, 32, 24),
+        _block_format("q8_0", 8, 32, 34),
+        _block_format("q2_k", 10, 256, 84),
+        _block_format("q3_k", 11, 256, 110),
+        _block_format("q4_k", 12, 256, 144),
+        _block_format("q5_k", 13, 256, 176),
+        _block_format("q6_k", 14, 256, 210),
+        _block_format("iq2_xxs", 16, 256, 66),
+        _block_format("iq2_xs", 17, 256, 74),
+        _block_format("iq3_xxs", 18, 256, 98),
+        _block_format("iq1_s", 19, 256, 50),
+        _block_format("iq4_nl", 20, 32, 18),
+        _block_format("iq3_s", 21, 256, 110),
+        _block_format("iq2_s", 22, 256, 82),
+        _block_format("iq4_xs", 23, 256, 136),
+        _block_format("iq1_m", 29, 256, 56),
+        _block_format("tq1_0", 34, 256, 54),
+        _block_format("tq2_0", 35, 256, 66),
+        _block_format("mxfp4", 39, 32, 17),
+        _block_format("nvfp4", 40, 64, 36),
     )
 }
 # Every row format a table can have, by its name (``table.format``).

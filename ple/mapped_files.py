@@ -4,17 +4,16 @@ A table maps its files, and so do the tensors of a model's state dict that
 hold a table (``Table.checkpoint_tensors``).  A writer that truncated such a
 file in place (``open(path, "wb")``) would pull the pages from under the
 mappings: a gather or a save that reads them then gets SIGBUS, or bytes of
-the new file.  So once a table is open, safetensors' and torch's writers
-write a file that this process maps to a new file beside it, and rename it
-over the old name: the mappings keep the old file (whose blocks the
-filesystem frees when the last mapping goes), every later open finds the new
-one.  Every other path is written as before.  These are ple's two patches on
-other libraries, each one name looked up at call time by every save of its
-library: ``safetensors.torch.serialize_file`` (``save_file`` under whatever
-name a library imported it: transformers, accelerate, PEFT, a Trainer) and
-``torch.serialization._open_zipfile_writer`` (``torch.save`` to a path).
-Writers of their own (``open(path, "wb")``, NumPy) are not covered
-(docs/reliability.md)."""
+the new file.  safetensors (0.8 and later) writes every file beside its
+destination and renames it, so its ``save_file`` (under whatever name
+transformers, accelerate, PEFT or a Trainer imported it) never truncates
+one; the mappings keep the old file, whose blocks the filesystem frees when
+the last mapping goes.  ``torch.save`` to a path truncates: once a table is
+open, torch's zip file writer (``torch.serialization._open_zipfile_writer``,
+which ``torch.save`` looks up at each call; ple's one patch on torch) writes
+a file that this process maps beside it and renames it the same way.  Every
+other path is written as before.  Writers of their own (``open(path,
+"wb")``, NumPy) are not covered (docs/reliability.md)."""
 
 from __future__ import annotations
 
@@ -64,29 +63,9 @@ def replacing(path: str | os.PathLike):
 
 
 def guard_writers() -> None:
-    """Puts the two patches in place, once a process."""
+    """Puts the patch in place, once a process."""
     with _installed:
-        _guard_safetensors()
         _guard_torch_save()
-
-
-def _guard_safetensors() -> None:
-    try:
-        import safetensors.torch as module
-    except ImportError:
-        return
-    serialize_file = module.serialize_file
-    if getattr(serialize_file, MARKER, False):
-        return
-
-    def writes_beside_mapped_files(tensor_dict, filename, *args, **kwargs):
-        if not is_mapped(filename):
-            return serialize_file(tensor_dict, filename, *args, **kwargs)
-        with replacing(filename) as beside:
-            return serialize_file(tensor_dict, str(beside), *args, **kwargs)
-
-    setattr(writes_beside_mapped_files, MARKER, True)
-    module.serialize_file = writes_beside_mapped_files
 
 
 def _guard_torch_save() -> None:

@@ -304,8 +304,9 @@ class Table:
     def from_gguf(cls, path: str | os.PathLike, tensor: str,
                   config: GatherConfig | None = None) -> "Table":
         """Opens one 2-D tensor of a GGUF file as a table without reading its
-        rows: F32, F16, BF16, or the block formats Q8_0, Q4_0, IQ4_NL, Q4_K and
-        Q6_K, kept packed and decoded only for the rows gathered."""
+        rows: F32, F16, BF16, or a block format (every type
+        ``gguf.quants.dequantize`` decodes: ``ple.formats.BLOCK_FORMATS``),
+        kept packed and decoded only for the rows gathered."""
         path = Path(path)
         return cls._from_gguf_header(path, read_gguf_header(path), tensor, config)
 

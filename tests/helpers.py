@@ -236,6 +236,49 @@ def write_gguf(path, tensors: dict) -> None:
     writer.close()
 
 
+# Where the f16 scales of each GGUF block format lie in its block (gguf/quants.py's
+# layouts), as byte offsets; IQ1_M's is split into the top nibbles of the four
+# uint16 from byte 48, its lowest nibble first; MXFP4 and NVFP4 have byte
+# scales, every one finite.
+GGUF_F16_SCALES = {"q4_0": (0,), "q4_1": (0, 2), "q5_0": (0,), "q5_1": (0, 2), "q8_0": (0,),
+                   "q2_k": (80, 82), "q3_k": (108,), "q4_k": (0, 2), "q5_k": (0, 2),
+                   "q6_k": (208,), "iq2_xxs": (0,), "iq2_xs": (0,), "iq3_xxs": (0,), "iq1_s": (0,),
+                   "iq4_nl": (0,), "iq3_s": (0,), "iq2_s": (0,), "iq4_xs": (0,), "iq1_m": (48,),
+                   "tq1_0": (52,), "tq2_0": (64,), "mxfp4": (), "nvfp4": ()}
+# Finite f16 scales worth having: 0, -0, smallest and largest subnormals, smallest
+# normal, largest finite, 1, -1.
+F16_SPECIAL_BITS = (0x0000, 0x8000, 0x0001, 0x83FF, 0x0400, 0x7BFF, 0xFBFF, 0x3C00, 0xBC00)
+
+
+def random_f16_bits(rng: np.random.Generator, shape) -> np.ndarray:
+    """Random finite f16 bit patterns: an all-ones exponent (inf/nan) loses its top bit."""
+    bits = rng.integers(0, 1 << 16, shape, dtype=np.uint16)
+    return np.where((bits & 0x7C00) == 0x7C00, bits & 0xBFFF, bits).astype(np.uint16)
+
+
+def random_gguf_blocks(name: str, n: int, rng: np.random.Generator,
+                       specials=F16_SPECIAL_BITS) -> np.ndarray:
+    """uint8 ``[n, block_bytes]``: ``n`` blocks of the GGUF block format ``name``
+    of random bytes, but for their f16 scales: random finite ones after
+    ``specials`` (each scale of a block its own rotation of them).  For the
+    types gguf cannot quantize to."""
+    from ple.formats import BLOCK_FORMATS
+
+    raw = rng.integers(0, 256, (n, BLOCK_FORMATS[name].block_bytes), dtype=np.uint8)
+    for i, offset in enumerate(GGUF_F16_SCALES[name]):
+        bits = random_f16_bits(rng, n)
+        rolled = np.roll(np.array(specials, dtype=np.uint16), i)[:n]
+        bits[:rolled.size] = rolled
+        if name == "iq1_m":
+            for byte in range(4):
+                nibble = ((bits >> (4 * byte)) & 15).astype(np.uint8)
+                at = offset + 2 * byte + 1
+                raw[:, at] = (raw[:, at] & 15) | (nibble << 4)
+        else:
+            raw[:, offset:offset + 2] = bits.view(np.uint8).reshape(-1, 2)
+    return raw
+
+
 def load_module(name: str, path: Path) -> ModuleType:
     """The Python file at ``path`` as a fresh module named ``name``."""
     spec = importlib.util.spec_from_file_location(name, path)
@@ -248,7 +291,8 @@ def load_module(name: str, path: Path) -> ModuleType:
 # loaded interpreted with it, since an interpreted kernel cannot call a
 # compiled one.
 KERNEL_IMPORTS = {"decode_triton": ("tier_rows_triton",),
-                  "decode_gguf_triton": ("tier_rows_triton", "decode_triton")}
+                  "decode_gguf_triton": ("tier_rows_triton", "decode_triton", "gguf_bits_triton",
+                                         "decode_gguf_k_triton", "decode_gguf_iq_triton")}
 
 
 def load_interpreted(path: Path) -> ModuleType:

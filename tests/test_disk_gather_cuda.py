@@ -14,7 +14,7 @@ from safetensors.torch import save_file
 
 import ple
 from helpers import write_fp8_table, write_gguf
-from ple.formats import FORMATS
+from ple.formats import VALUE_FORMATS
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -28,9 +28,10 @@ def random_rows(fmt, rows: int, cols: int, rng) -> torch.Tensor:
     return raw.view(fmt.storage)
 
 
-@pytest.fixture(scope="module", params=list(FORMATS))
+# The safetensors formats; GGUF tables' CUDA tests are in test_gguf_table.py.
+@pytest.fixture(scope="module", params=list(VALUE_FORMATS))
 def table(request, tmp_path_factory):
-    fmt = FORMATS[request.param]
+    fmt = VALUE_FORMATS[request.param]
     rng = np.random.default_rng(len(request.param))
     tensors = {f"emb.shard_{i}.weight": random_rows(fmt, rows, 17, rng)
                for i, rows in enumerate(SHARD_ROWS)}

@@ -298,8 +298,10 @@ def test_one_shard_of_a_family_keeps_the_familys_scale(tmp_path):
 
 
 def test_formats_lists_every_format():
-    assert {"f32", "f16", "bf16", "fp8_e4m3fn", "u8", "i8", "q8_0", "q4_0", "iq4_nl", "q4_k",
-            "q6_k"} == set(ple.FORMATS)
+    assert {"f32", "f16", "bf16", "fp8_e4m3fn", "u8", "i8", "q4_0", "q4_1", "q5_0", "q5_1", "q8_0",
+            "q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "iq2_xxs", "iq2_xs", "iq3_xxs", "iq1_s",
+            "iq4_nl", "iq3_s", "iq2_s", "iq4_xs", "iq1_m", "tq1_0", "tq2_0", "mxfp4",
+            "nvfp4"} == set(ple.FORMATS)
 
 
 def test_version_is_the_packages():

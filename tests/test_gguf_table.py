@@ -2,43 +2,38 @@
 gguf.quants.dequantize of the same rows, and every bad file."""
 
 import os
+import re
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
 import ple
-from ple.formats import BY_GGUF_TYPE
+from ple.formats import BLOCK_FORMATS, BY_GGUF_TYPE
 
 gguf = pytest.importorskip("gguf")
 from gguf import GGMLQuantizationType as Q  # noqa: E402
-from helpers import write_gguf  # noqa: E402
+from helpers import random_gguf_blocks, write_gguf  # noqa: E402
 from ple.gguf_header import read_gguf_header  # noqa: E402
 
 ROWS, COLS = 37, 512  # 2 blocks of 256 per row for the K-quants
 rng = np.random.default_rng(0)
 
 
-def random_blocks(qtype, rows: int, cols: int) -> np.ndarray:
-    """Random block bytes with finite f16 scales, for the formats that gguf
-    cannot quantize to."""
-    block_size, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
-    blocks = rng.integers(0, 256, (rows * cols // block_size, block_bytes), dtype=np.uint8)
-    scale_bytes = {Q.IQ4_NL: [0], Q.Q4_K: [0, 2], Q.Q6_K: [208]}[qtype]
-    for at in scale_bytes:
-        scales = rng.uniform(-2, 2, len(blocks)).astype(np.float16)
-        blocks[:, at:at + 2] = scales.view(np.uint8).reshape(-1, 2)
-    return blocks.reshape(rows, -1)
+# The formats gguf.quants.quantize writes; the tables of the other block
+# formats are random blocks with finite f16 scales.
+QUANTIZED = {"BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "TQ1_0", "TQ2_0", "MXFP4"}
+FORMATS = {"F32": Q.F32, "F16": Q.F16, "BF16": Q.BF16,
+           **{name.upper(): Q[name.upper()] for name in BLOCK_FORMATS}}
 
 
-def table_bytes(qtype, values: np.ndarray) -> np.ndarray:
-    if qtype in (Q.IQ4_NL, Q.Q4_K, Q.Q6_K):
-        return random_blocks(qtype, *values.shape)
-    return gguf.quants.quantize(values, qtype)
-
-
-FORMATS = {"F32": Q.F32, "F16": Q.F16, "BF16": Q.BF16, "Q8_0": Q.Q8_0, "Q4_0": Q.Q4_0,
-           "IQ4_NL": Q.IQ4_NL, "Q4_K": Q.Q4_K, "Q6_K": Q.Q6_K}
+def table_bytes(name: str, values: np.ndarray) -> np.ndarray:
+    if name in QUANTIZED:
+        return gguf.quants.quantize(values, Q[name])
+    rows, cols = values.shape
+    blocks = rows * cols // BLOCK_FORMATS[name.lower()].block_size
+    return random_gguf_blocks(name.lower(), blocks, rng).reshape(rows, -1)
 
 
 @pytest.fixture(scope="module")
@@ -51,9 +46,11 @@ def gguf_file(tmp_path_factory):
         elif qtype == Q.F16:
             tensors[name] = (values.astype(np.float16), qtype)
         else:
-            tensors[name] = (table_bytes(qtype, values), qtype)
+            tensors[name] = (table_bytes(name, values), qtype)
     tensors["vector"] = (np.ones(8, np.float32), Q.F32)
-    tensors["Q5_0"] = (gguf.quants.quantize(values, Q.Q5_0), Q.Q5_0)
+    # A type gguf has no dequantize of (Q8_1: what ggml multiplies Q8_0 by).
+    q8_1_bytes = COLS // 32 * gguf.GGML_QUANT_SIZES[Q.Q8_1][1]
+    tensors["Q8_1"] = (rng.integers(0, 256, (ROWS, q8_1_bytes), dtype=np.uint8), Q.Q8_1)
     path = tmp_path_factory.mktemp("gguf") / "model.gguf"
     write_gguf(path, tensors)
     return path, tensors
@@ -94,6 +91,27 @@ def test_formats_have_ggufs_block_sizes(name):
     assert not fmt.is_block or (fmt.block_size, fmt.gguf_type) == (block_size, int(qtype))
 
 
+def test_the_docs_list_every_block_format_and_its_decoders():
+    """docs/tables.md's table of block types: each of BLOCK_FORMATS, its
+    sizes, bits per value and the Triton kernel that decodes it."""
+    pytest.importorskip("triton")
+    from ple.kernels import decode_gguf_iq_triton, decode_gguf_k_triton, decode_gguf_triton
+
+    kernels = {"decode_gguf_triton": decode_gguf_triton.FORMAT_NAMES,
+               "decode_gguf_k_triton": decode_gguf_k_triton.K_FORMAT_NAMES,
+               "decode_gguf_iq_triton": decode_gguf_iq_triton.IQ_FORMAT_NAMES}
+    text = (Path(__file__).resolve().parents[1] / "docs" / "tables.md").read_text()
+    rows = re.findall(r"^\| (\w+) \| `(\w+)` \| (\d+) \| (\d+) \| ([\d.]+) \| "
+                      r"`gguf.quants.dequantize` \| `(\w+)\.py` \|$", text, re.M)
+    listed = {fmt: (name, int(size), int(nbytes), float(bits), kernel)
+              for name, fmt, size, nbytes, bits, kernel in rows}
+    assert listed == {
+        fmt.name: (fmt.name.upper(), fmt.block_size, fmt.block_bytes,
+                   fmt.block_bytes * 8 / fmt.block_size,
+                   next(k for k, names in kernels.items() if fmt.name in names))
+        for fmt in BLOCK_FORMATS.values()}
+
+
 def test_not_gguf(tmp_path):
     path = tmp_path / "x.gguf"
     path.write_bytes(b"this is not a gguf file at all")
@@ -114,8 +132,9 @@ def test_unknown_tensor_lists_the_candidates(gguf_file):
 
 def test_quant_type_not_decoded_is_named(gguf_file):
     path, _ = gguf_file
-    with pytest.raises(ValueError, match=rf"{path}: tensor 'Q5_0' is Q5_0, which ple does not decode"):
-        ple.Table.from_gguf(path, "Q5_0")
+    with pytest.raises(ValueError,
+                       match=rf"{path}: tensor 'Q8_1' is Q8_1, which ple does not decode"):
+        ple.Table.from_gguf(path, "Q8_1")
 
 
 def test_not_2d(gguf_file):

@@ -121,13 +121,14 @@ def test_each_row_is_read_from_its_source(interpreted, first_row, device_rows, h
 
 @pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")  # numpy's f32 -> f16 cast to inf
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("name", ["fp8_e4m3fn", "f16", "q8_0", "q4_k"])
+@pytest.mark.parametrize("name", ["fp8_e4m3fn", "f16", "q8_0", "q4_k", "iq2_xxs"])
 @pytest.mark.parametrize("with_disk", [True, False])
 def test_both_decoders_give_the_bits_of_staged_rows(interpreted, name, dtype, with_disk):
     fmt, decode = decoder(interpreted, name)
     row_bytes = 2 * fmt.block_bytes if fmt.is_block else 24 * fmt.itemsize
     table = random_table(row_bytes, 5)
-    if fmt.is_block:  # finite f16 scales (Q8_0's d, Q4_K's d and dmin): NaN would hide the bits
+    # Finite f16 scales (Q8_0's and IQ2_XXS's d, Q4_K's d and dmin): NaN would hide the bits.
+    if fmt.is_block:
         for offset in range(4):
             table[:, offset::fmt.block_bytes] = 0x3C
     ids = torch.from_numpy(np.random.default_rng(1).integers(0 if with_disk else 10, NUM_ROWS, 29))
@@ -247,7 +248,9 @@ def check_reads_of(tiers, table, n: int, interpreted) -> None:
 # --- compilation of the variants the operator launches, without a GPU ------------
 
 COMPILE_SCRIPT = r"""
-from ple.kernels.decode_gguf_triton import LAUNCH_OPTIONS, decode_blocks_kernel
+from ple.kernels.decode_gguf_iq_triton import decode_iq_blocks_kernel
+from ple.kernels.decode_gguf_k_triton import decode_k_blocks_kernel
+from ple.kernels.gguf_bits_triton import LAUNCH_OPTIONS
 from ple.kernels.decode_triton import MAX_BLOCK, decode_rows_kernel
 from ple.kernels.tier_rows_triton import CHECK_BLOCK, SCAN_MAX_IDS, check_ids_kernel
 assert type(decode_rows_kernel).__name__ == "JITFunction"
@@ -259,7 +262,8 @@ TIERS = {"ids_ptr": "*i64", "device_ptr": "*u8", "host_ptr": "*u8", "first_row":
 # smallest and the largest scan).
 VARIANTS = {"status": (True, 0), "scan16": (False, 16), "scan_max": (False, SCAN_MAX_IDS)}
 DECODERS = {"fp8_e4m3fn": (decode_rows_kernel, {"scale": "fp32"}, {}, {}),
-            "q4_k": (decode_blocks_kernel, {}, {"QK": 256, "BB": 144}, LAUNCH_OPTIONS)}
+            "q4_k": (decode_k_blocks_kernel, {}, {"BB": 144}, LAUNCH_OPTIONS),
+            "iq2_xxs": (decode_iq_blocks_kernel, {"grid_ptr": "*i8"}, {"BB": 66}, LAUNCH_OPTIONS)}
 
 results = {}
 for cc in json.loads(sys.argv[1]):
@@ -286,7 +290,7 @@ def compiled(tmp_path_factory):
 
 
 @pytest.mark.parametrize("kernel", [f"{variant}-{name}" for variant in ("status", "scan16", "scan_max")
-                                    for name in ("fp8_e4m3fn", "q4_k")] + ["check_ids"])
+                                    for name in ("fp8_e4m3fn", "q4_k", "iq2_xxs")] + ["check_ids"])
 @pytest.mark.parametrize("cc", COMPILE_CCS, ids=lambda cc: f"sm_{cc}")
 def test_compiles_for_target(compiled, cc, kernel):
     result = compiled[f"{cc}-{kernel}"]

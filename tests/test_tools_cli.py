@@ -72,8 +72,8 @@ def probe(name: str) -> tuple[dict, str]:
 
 
 def test_every_script_is_a_tool_and_installed():
-    assert set(SCRIPTS) == {"ple-demo", "ple-make-table", "ple-bench-gather", "ple-bench-warm",
-                            "ple-bench-serving", "ple-bench-gpu", "ple-bench-layers",
+    assert set(SCRIPTS) == {"ple-demo", "ple-make-table", "ple-quantize-table", "ple-bench-gather",
+                            "ple-bench-warm", "ple-bench-serving", "ple-bench-gpu", "ple-bench-layers",
                             "ple-tiny-model", "ple-bench-transformers",
                             "ple-bench-tensor-parallel", "ple-bench-prefill", "ple-bench-vllm"}
     for name, target in SCRIPTS.items():
@@ -141,7 +141,7 @@ ARGTYPES = [
 # Values tried on each numeric option of each tool, the first its type refuses.
 IMPOSSIBLE = ("0", "-1", "1", "nan", "x")
 # The arguments a tool needs besides the option under test.
-REQUIRED = {"ple-make-table": ["table"]}
+REQUIRED = {"ple-make-table": ["table"], "ple-quantize-table": ["checkpoint", "table.gguf"]}
 
 
 @pytest.mark.parametrize("kind, refused, message, taken", ARGTYPES)

@@ -217,3 +217,41 @@ def test_cuda_generate_with_lookahead_equals_without(checkpoints, key):
     assert_same_bits(logits, want_logits)
     torch.cuda.synchronize()
     assert all(t.stats()["prefetch_hits"] == 4 for t in tables(served).values())
+
+
+def chunk_spellings():
+    """Every way a generate call gives transformers its prefill chunk size."""
+    from transformers import GenerationConfig
+
+    config = GenerationConfig(prefill_chunk_size=3, max_new_tokens=3, do_sample=False,
+                              return_dict_in_generate=True, output_logits=True)
+    return {
+        "keyword": ((), {"prefill_chunk_size": 3}),
+        "a 0-d tensor": ((), {"prefill_chunk_size": torch.tensor(3)}),
+        "a GenerationConfig, positionally": ((config,), {}),
+        "a GenerationConfig, by name": ((), {"generation_config": config}),
+    }
+
+
+@pytest.mark.parametrize("spelling", list(chunk_spellings()))
+def test_the_chunk_size_is_taken_where_transformers_takes_it(checkpoints, spelling):
+    """Each spelling chunks the prefill in transformers, and ple reads every
+    chunk after the first ahead: bits equal to transformers', a hit per chunk."""
+    model_class = MODELS["qwen4exp"][0]
+    reference = model_class.from_pretrained(checkpoints["qwen4exp"])
+    served = from_pretrained(model_class, checkpoints["qwen4exp"])
+    args, kwargs = chunk_spellings()[spelling]
+    if not args and "generation_config" not in kwargs:
+        kwargs = {**kwargs, "max_new_tokens": 3, "do_sample": False,
+                  "return_dict_in_generate": True, "output_logits": True}
+    ids = prompt(5, PROMPT_SHAPE)
+    with torch.no_grad():
+        want = reference.generate(ids, *args, **kwargs)
+        for table in tables(served).values():
+            table.reset_stats()
+        got = served.generate(ids, *args, **kwargs)
+    assert torch.equal(got.sequences, want.sequences)
+    assert_same_bits(torch.stack(got.logits), torch.stack(want.logits))
+    chunks = -(-PROMPT_SHAPE[1] // 3)
+    assert [t.stats()["prefetch_hits"] for t in tables(served).values()] == (
+        [chunks] * len(tables(served)))

@@ -232,6 +232,18 @@ def test_a_batched_step_drops_what_was_read_ahead(worker):
     assert (stats["prefetch_hits"], stats["prefetch_misses"]) == (0, 1)
 
 
+def test_every_request_that_ends_is_forgotten(worker):
+    """Requests that end together are all forgotten: after 240 requests
+    finished in batches of 4 the planner holds no prompt (it held 180)."""
+    planner = lookahead._lookahead_of(worker)
+    for batch in range(60):
+        ids = [f"r{batch}-{i}" for i in range(4)]
+        lookahead.run_step(worker, step(new=[(r, PROMPT[:2], 2) for r in ids]),
+                           forward(worker, PROMPT[:2] * 4))
+        lookahead.run_step(worker, step(finished=ids), lambda _: None)
+    assert planner.prompts == {} and planner.held == set()
+
+
 def test_a_failed_prefetch_only_loses_the_overlap(worker, monkeypatch):
     """The step runs, the failure is logged once, the lookahead is off."""
     monkeypatch.setattr(ple.Table, "prefetch", mock.Mock(side_effect=OSError("no more reads")))

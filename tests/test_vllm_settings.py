@@ -52,8 +52,10 @@ def test_the_environment_wins_over_the_file(tmp_path):
 
 
 @pytest.mark.parametrize("environ, message", [
-    ({"PLE_GATHER_WINDOW": "4"}, r"unknown variable PLE_GATHER_WINDOW: the plugin reads "
-                                 r"PLE_OFFLOAD, PLE_CONFIG, PLE_GATHER_POLICY, "
+    ({"PLE_GATHER_WINDOW": "4"}, r"unknown variable PLE_GATHER_WINDOW \(did you mean "
+                                 r"PLE_GATHER_PREFETCH_WINDOW_KIB\?\): the plugin reads "
+                                 r"PLE_OFFLOAD, "
+                                 r"PLE_CONFIG, PLE_GATHER_POLICY, "
                                  r"PLE_GATHER_PREFETCH_WINDOW_KIB, .* spelled exactly so"),
     ({"PLE_GATHER_THREADS": "many"}, r"^ple: PLE_GATHER_THREADS='many' is not an integer: "
                                      r"threads takes threads, an integer in \[1, 256\]$"),
@@ -128,6 +130,7 @@ VARIABLES = ("PLE_OFFLOAD, PLE_CONFIG, PLE_GATHER_POLICY, PLE_GATHER_PREFETCH_WI
              "PLE_GATHER_THREADS, PLE_GATHER_ROW_CACHE_MIB, PLE_GATHER_IO_QUEUE_DEPTH, "
              "PLE_GATHER_IO_BLOCK_BYTES, PLE_GATHER_IO, PLE_HOST_ROWS, PLE_DEVICE_ROWS, "
              "PLE_LOOKAHEAD_MIB")
+LIBRARY = "PLE_GRAPH_GATHER, PLE_IO_BACKEND, PLE_FORCE_JIT, PLE_BUILD_DIR"
 
 
 @pytest.mark.parametrize("name, value", [
@@ -140,7 +143,8 @@ def test_a_variable_in_another_case_is_refused(name, value):
     """Names are exact (upper case): a variable of the plugin spelled in
     another case, or any other PLE_GATHER_*, is refused, with or without the
     correct one beside it and whether or not the plugin is asked for."""
-    message = f"^ple: unknown variable {name}: the plugin reads {VARIABLES}, spelled exactly so"
+    message = (rf"^ple: unknown variable {name} \(did you mean PLE_\w+\?\): the plugin reads "
+               rf"{VARIABLES}, and ple {LIBRARY}, spelled exactly so")
     for environ in ({name: value}, {name: value, "PLE_OFFLOAD": "auto"},
                     {name: value, "PLE_GATHER_THREADS": "2", "PLE_HOST_ROWS": "1"}):
         with pytest.raises(ValueError, match=message):
@@ -148,8 +152,22 @@ def test_a_variable_in_another_case_is_refused(name, value):
 
 
 def test_other_variables_of_ple_are_not_the_plugins():
-    assert settings({"PLE_IO_BACKEND": "pread", "PLE_GRAPH_GATHER": "1",
-                     "PLE_TEST_OPEN_FIRST": "x", "GATHER_THREADS": "x"}) == Settings()
+    assert settings({"PLE_IO_BACKEND": "pread", "PLE_GRAPH_GATHER": "1", "PLE_FORCE_JIT": "1",
+                     "PLE_BUILD_DIR": "/tmp", "GATHER_THREADS": "x"}) == Settings()
+
+
+@pytest.mark.parametrize("name, value, nearest", [
+    ("PLE_LOOKAHEAD_MB", "0", "PLE_LOOKAHEAD_MIB"), ("PLE_OFFLOADS", "auto", "PLE_OFFLOAD"),
+    ("PLE_HOST_ROW", "12", "PLE_HOST_ROWS"), ("PLE_CONFIG_FILE", "x.json", "PLE_CONFIG"),
+    ("PLE_TEST_OPEN_FIRST", "x", None), ("ple_device_row", "3", "PLE_DEVICE_ROWS")])
+def test_any_variable_of_ples_prefix_the_plugin_does_not_know_is_refused(name, value, nearest):
+    """A misspelled variable beside the others would leave its setting at
+    its default (lookahead at 64 MiB, the plugin off and the table in
+    memory): it is refused, naming the nearest variable ple knows."""
+    nearest = nearest or r"PLE_\w+"
+    with pytest.raises(ValueError, match=rf"^ple: unknown variable {name} \(did you mean "
+                                         rf"{nearest}\?\)"):
+        settings({name: value, "PLE_OFFLOAD": "auto"})
 
 
 def test_whole_numbers_of_the_environment():
@@ -160,7 +178,7 @@ def test_whole_numbers_of_the_environment():
 
 @pytest.mark.parametrize("key", ["host_rows", "device_rows"])
 @pytest.mark.parametrize("text", ["Infinity", "-Infinity", "NaN", "1.7", "0.9", "2.0", "1e3",
-                                  "true", "-3", "[1]", '"1.5"', '"many"', "{}"])
+                                  "true", "-3", "[1]", '"1.5"', '"many"', '"12"', "{}"])
 def test_a_row_count_of_the_file_is_a_whole_number(tmp_path, key, text):
     path = tmp_path / "ple.json"
     path.write_text(f'{{"offload": "auto", "{key}": {text}}}')
@@ -183,7 +201,7 @@ def test_row_counts_of_the_file(tmp_path):
     assert settings({"PLE_CONFIG": str(path)}) == Settings("auto", host_rows=12)
 
 
-@pytest.mark.parametrize("text", ["Infinity", "NaN", "2.0", '"lots"'])
+@pytest.mark.parametrize("text", ["Infinity", "NaN", "2.0", '"lots"', '"8"'])
 def test_a_lookahead_of_the_file_is_a_whole_number(tmp_path, text):
     path = tmp_path / "ple.json"
     path.write_text(f'{{"lookahead_mib": {text}}}')

@@ -103,7 +103,8 @@ class PrefillLookahead:
         ended = scheduler_output.finished_req_ids | (
             getattr(scheduler_output, "preempted_req_ids", None) or set())
         self.held -= ended
-        if any(self.prompts.pop(req_id, None) is not None for req_id in ended):
+        forgotten = [self.prompts.pop(req_id) for req_id in ended if req_id in self.prompts]
+        if forgotten:
             self._drop()
         for new in scheduler_output.scheduled_new_reqs:
             if new.prompt_token_ids is not None and new.prompt_embeds is None:

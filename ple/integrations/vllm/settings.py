@@ -6,6 +6,7 @@ the file, and what it accepts."""
 
 from __future__ import annotations
 
+import difflib
 import json
 import os
 import re
@@ -26,6 +27,9 @@ GATHER_ENVS = {f"{GATHER_ENV_PREFIX}{name.upper()}": name for name in FIELDS}
 TIER_ENVS = {"host_rows": "PLE_HOST_ROWS", "device_rows": "PLE_DEVICE_ROWS"}
 LOOKAHEAD_ENV = "PLE_LOOKAHEAD_MIB"
 VARIABLES = (OFFLOAD_ENV, CONFIG_ENV, *GATHER_ENVS, *TIER_ENVS.values(), LOOKAHEAD_ENV)
+# ple's variables outside the plugin: the graph gather's mechanism, the
+# direct-I/O backend, and the native module's build (docs/vllm.md).
+LIBRARY_VARIABLES = ("PLE_GRAPH_GATHER", "PLE_IO_BACKEND", "PLE_FORCE_JIT", "PLE_BUILD_DIR")
 CONFIG_KEYS = ("offload", "gather", *TIER_ENVS, "lookahead_mib")
 OFFLOAD_KEYWORDS = ("auto", "none")
 # A whole number as a variable spells it.
@@ -64,10 +68,11 @@ def settings(environ: dict[str, str] | None = None) -> Settings:
     values = _read_config_file(Path(path)) if path else {}
 
     def setting(variable: str, key: str):
-        """(the value, where it was set) of a setting: its variable, else its
-        key of the file; (None, None) where neither sets it."""
+        """(the value, where it was set) of a setting: its variable's text,
+        else its key's JSON value in the file; (None, None) where neither
+        sets it."""
         if environ.get(variable):
-            return environ[variable], variable
+            return Text(environ[variable]), variable
         if values.get(key) is not None:
             return values[key], f"{key!r} of {CONFIG_ENV}={path}"
         return None, None
@@ -83,19 +88,38 @@ def settings(environ: dict[str, str] | None = None) -> Settings:
         raw, where = setting(variable, key)
         tiers[key] = 0 if raw is None else _row_count(raw, where)
     raw, where = setting(LOOKAHEAD_ENV, "lookahead_mib")
-    mib = DEFAULT_LOOKAHEAD_BYTES >> 20 if raw is None else lookahead_mib(raw, where)
+    mib = (DEFAULT_LOOKAHEAD_BYTES >> 20 if raw is None
+           else lookahead_mib(_whole_number(raw), where, given=raw))
     offload, where = setting(OFFLOAD_ENV, "offload")
+    offload = str(offload) if isinstance(offload, Text) else offload
     return Settings(_offload(offload, where), _gather_config(gather), **tiers, lookahead_mib=mib)
 
 
+class Text(str):
+    """A setting's value as its variable spells it (a file's values are JSON values)."""
+
+
 def _refuse_unknown_variables(environ) -> None:
-    """A ValueError for a variable that is one of the plugin's spelled in
-    another case, or a ``PLE_GATHER_*`` (in any case) that is no field's."""
-    wrong = sorted(name for name in environ if name not in VARIABLES and (
-        name.upper() in VARIABLES or name.upper().startswith(GATHER_ENV_PREFIX)))
+    """A ValueError for a variable whose name begins with ``PLE_`` (in any
+    case) and is neither one of the plugin's nor one of ple's own
+    (``LIBRARY_VARIABLES``), naming the known variable nearest to it."""
+    known = (*VARIABLES, *LIBRARY_VARIABLES)
+    wrong = sorted(name for name in environ
+                   if name.upper().startswith("PLE_") and name not in known)
     if wrong:
-        raise ValueError(f"ple: unknown variable {', '.join(wrong)}: the plugin reads "
-                         f"{', '.join(VARIABLES)}, spelled exactly so (upper case)")
+        raise ValueError(f"ple: unknown variable {', '.join(wrong)} (did you mean "
+                         f"{_nearest(wrong[0], known)}?): "
+                         f"the plugin reads {', '.join(VARIABLES)}, and ple "
+                         f"{', '.join(LIBRARY_VARIABLES)}, spelled exactly so (upper case)")
+
+
+def _nearest(name: str, known: tuple[str, ...]) -> str:
+    """The known variable ``name`` most likely misspells: the shortest that
+    has each of its words, else the closest by spelling."""
+    words = name.upper().removeprefix("PLE_").split("_")
+    having = [k for k in known if all(word and word in k for word in words)]
+    return min(having, key=len) if having else difflib.get_close_matches(
+        name.upper(), known, n=1, cutoff=0)[0]
 
 
 def _read_config_file(path: Path) -> dict:
@@ -132,7 +156,7 @@ def _field_value(name: str, raw: str, variable: str):
     field = FIELDS[name]
     if "choices" in field:
         return raw
-    value = _whole_number(raw)
+    value = _whole_number(Text(raw))
     if value is None:
         power = " (0 or a power of two)" if field["power_of_two"] else ""
         raise ValueError(f"ple: {variable}={raw!r} is not an integer: {name} takes "
@@ -155,8 +179,9 @@ def _gather_config(fields: dict[str, tuple]) -> GatherConfig | None:
 
 def _whole_number(raw) -> int | None:
     """``raw`` as an int: an int (not a bool) of the file, or the decimal
-    text of a variable; None for anything else (a float, however whole)."""
-    if isinstance(raw, str):
+    text of a variable; None for anything else (a float, however whole; a
+    JSON string)."""
+    if isinstance(raw, Text):
         text = raw.strip()
         return int(text) if DECIMAL.fullmatch(text) else None
     return raw if isinstance(raw, int) and not isinstance(raw, bool) else None
