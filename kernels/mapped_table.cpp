@@ -149,12 +149,11 @@ void MappedTable::unlock_after_fork(bool in_child) {
 
 void MappedTable::gather(const void* ids, bool ids_are_int64, int64_t n, uint8_t* out,
                          ResidentRange resident, int64_t max_threads, uint64_t owner) {
-  // The plan this gather is a forward of: a gather that fails ends it.
-  const uint64_t plan = owner == 0 ? 0 : prefetch_.plan_of(owner);
+  uint64_t plan = 0;  // the owner's plan this gather is a forward of: if it fails, it ends it
   try {
     Interruption stop;  // the calling thread's poll, if it has one
     int64_t taken = 0;
-    switch (prefetch_.take(ids, ids_are_int64, n, out, resident, stop, taken, owner)) {
+    switch (prefetch_.take(ids, ids_are_int64, n, out, resident, stop, taken, owner, plan)) {
       case PrefetchQueue::Taken::kHit:
         ++counters_.prefetch_hits;
         if (taken == n) return;

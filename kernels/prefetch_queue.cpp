@@ -126,12 +126,6 @@ bool PrefetchQueue::planning(uint64_t owner, std::optional<uint64_t> plan) {
   return it != plans_.end() && (!plan || it->second.number == *plan);
 }
 
-uint64_t PrefetchQueue::plan_of(uint64_t owner) {
-  std::lock_guard<std::mutex> lock(mutex_);
-  auto it = plans_.find(owner);
-  return it == plans_.end() ? 0 : it->second.number;
-}
-
 void PrefetchQueue::end_plan_locked(std::unique_lock<std::mutex>& lock, uint64_t owner) {
   plans_.erase(owner);
   drop_locked(lock, owner, UINT64_MAX);
@@ -269,7 +263,7 @@ void PrefetchQueue::run() {
 
 PrefetchQueue::Taken PrefetchQueue::take(const void* ids, bool ids_are_int64, int64_t n,
                                          uint8_t* out, ResidentRange resident, Interruption& stop,
-                                         int64_t& rows_taken, uint64_t owner) {
+                                         int64_t& rows_taken, uint64_t owner, uint64_t& plan) {
   rows_taken = 0;
   // Whether a prefetch's ids (int64) are the first of the request's; a
   // request of int32 ids is compared value by value.
@@ -287,6 +281,8 @@ PrefetchQueue::Taken PrefetchQueue::take(const void* ids, bool ids_are_int64, in
     return a.ids.size() > b.ids.size();
   };
   std::unique_lock<std::mutex> lock(mutex_);
+  const auto owners_plan = owner == 0 ? plans_.end() : plans_.find(owner);
+  plan = owners_plan == plans_.end() ? 0 : owners_plan->second.number;
   bool others = false;
   std::shared_ptr<PrefetchRequest> request;
   for (const auto& queued : pending_) {
@@ -298,7 +294,7 @@ PrefetchQueue::Taken PrefetchQueue::take(const void* ids, bool ids_are_int64, in
     }
   }
   if (request != nullptr) request->taken = true;  // nobody drops it now: the worker will get to it
-  if (owner != 0) forward_plan_locked(lock, owner, request.get(), n, resident);
+  if (plan != 0) forward_plan_locked(lock, owner, request.get(), n, resident);
   if (request == nullptr) return others ? Taken::kMissed : Taken::kNothingPending;
   while (!changed_.wait_for(lock, kPollInterval, [&] { return request->done; })) {
     lock.unlock();

@@ -97,10 +97,6 @@ class PrefetchQueue {
   // read ahead and not yet gathered, or still to be read.
   bool planning(uint64_t owner, std::optional<uint64_t> plan = std::nullopt);
 
-  // The number of the owner's plan (0: none): what a gather of the owner
-  // serves, for ending that plan alone when the gather fails.
-  uint64_t plan_of(uint64_t owner);
-
   // Queues the gather of `ids` for `owner` after the prefetches queued
   // before it; its rows wait for take.  When the prefetches not taken would
   // hold more than kMaxPendingBytes of rows, the oldest are dropped (the
@@ -118,10 +114,11 @@ class PrefetchQueue {
   // Interrupted and leaves the prefetch for a later gather.  When `owner`
   // (not 0) has a plan, the gather is one of its forwards: the plan
   // advances when the prefetch taken is its next chunk and `n` that
-  // chunk's size, and ends otherwise.
+  // chunk's size, and ends otherwise; `plan` is set to its number (0: no
+  // plan), for ending that plan alone if the gather fails after.
   Taken take(const void* ids, bool ids_are_int64, int64_t n, uint8_t* out,
              ResidentRange resident, Interruption& stop, int64_t& rows_taken,
-             uint64_t owner = 0);
+             uint64_t owner, uint64_t& plan);
 
   // Drops the prefetches of `owner` (every owner's: nullopt) that no gather
   // has taken and whose ticket is at most `through`, cancelling and waiting

@@ -16,9 +16,9 @@ gathers when they run (on the host, in a CUDA stream's host function, on a
 captured graph's replays); the forward only passes the layer's owner to
 ``disk_gather``.  So a forward has no branch and no bookkeeping of its own: a
 compiled forward (``torch.compile(fullgraph=True)``) and a captured CUDA
-graph replayed per chunk look ahead as the eager forward does, and a
-forward enqueued on a GPU ahead of the stream counts nothing before its
-gather runs.
+graph replayed per chunk look ahead as the eager forward does, and
+forwards enqueued on a GPU ahead of the stream read nothing more ahead until
+their gathers run.
 
 The bound holds whatever the forwards do.  A plan's prefetches are its
 owner's: the bound counts every row they hold, as the table reports it, until
