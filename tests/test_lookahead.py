@@ -11,7 +11,14 @@ The bound whatever the forwards do: forwards of the planned sizes but other
 ids, a forward that raises, plans of two layers on one table, forwards on
 six threads while another plans anew, end_lookahead after close, a copy of
 a layer that looks ahead; and a prefetch taken by a gather padded after
-its ids."""
+its ids.
+
+The plan lives in the table and advances inside the gathers: a model
+compiled with fullgraph=True and a CUDA graph captured once and replayed
+per chunk (and torch.compile's own CUDA graphs) give the eager bits and
+hits; layers collected mid-plan give back their rows and row-cache pins;
+the three layers answer row_ids and lookahead with one signature; the
+bound in MiB of the integrations is checked by one function."""
 
 from __future__ import annotations
 
@@ -411,15 +418,16 @@ def test_cuda_forwards_of_other_ids_stay_within_the_bound(embedding):
 # inside the gathers, so the forwards have nothing of their own to do.
 
 class TinyModel(torch.nn.Module):
-    """A DiskEmbedding inside a model: its rows through a linear layer."""
+    """A DiskEmbedding inside a model: its rows times a weight of each column
+    (one product a value, rounded alike eager and compiled, on any device)."""
 
     def __init__(self, table):
         super().__init__()
         self.embedding = DiskEmbedding(table, torch.float32)
-        self.proj = torch.nn.Linear(table.cols, 8)
+        self.weight = torch.nn.Parameter(torch.randn(table.cols))
 
     def forward(self, ids):
-        return self.proj(self.embedding(ids))
+        return self.embedding(ids) * self.weight
 
 
 def chunked_forwards(model, planned: torch.Tensor, device="cpu") -> tuple[list, int]:
