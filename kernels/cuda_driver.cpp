@@ -51,6 +51,9 @@ const Driver& driver() {
     required("cuDevicePrimaryCtxRetain", d.primary_ctx_retain);
     find(lib, "cuStreamWaitValue32_v2", d.stream_wait_value32);
     find(lib, "cuStreamWriteValue32_v2", d.stream_write_value32);
+    find(lib, "cuStreamGetCaptureInfo_v3", d.stream_get_capture_info_v3);
+    find(lib, "cuStreamGetCaptureInfo_v2", d.stream_get_capture_info_v2);
+    find(lib, "cuGraphAddHostNode", d.graph_add_host_node);
     return d;
   }();
   if (!loaded.unusable.empty()) throw OsError("cannot use the CUDA driver: " + loaded.unusable);
@@ -61,6 +64,23 @@ void check(CUresult result, const char* what) {
   if (result != 0) {
     throw std::runtime_error(std::string(what) + " failed (CUresult " + std::to_string(result) + ")");
   }
+}
+
+CUgraph Driver::capturing_graph(CUstream stream) const {
+  constexpr int kCaptureActive = 1;  // CU_STREAM_CAPTURE_STATUS_ACTIVE
+  int status = 0;
+  CUgraph graph = nullptr;
+  if (stream_get_capture_info_v3 != nullptr) {
+    check(stream_get_capture_info_v3(stream, &status, nullptr, &graph, nullptr, nullptr, nullptr),
+          "cuStreamGetCaptureInfo_v3");
+  } else {
+    check(stream_get_capture_info_v2(stream, &status, nullptr, &graph, nullptr, nullptr),
+          "cuStreamGetCaptureInfo_v2");
+  }
+  if (status != kCaptureActive || graph == nullptr) {
+    throw std::runtime_error("cuStreamGetCaptureInfo: the stream is not capturing a graph");
+  }
+  return graph;
 }
 
 RelaxedCaptureMode::RelaxedCaptureMode() {

@@ -14,6 +14,13 @@ using CUstream = void*;
 using CUcontext = void*;
 using CUdeviceptr = unsigned long long;
 using CUhostFn = void (*)(void*);
+using CUgraph = void*;
+using CUgraphNode = void*;
+
+struct CudaHostNodeParams {  // CUDA_HOST_NODE_PARAMS
+  CUhostFn fn;
+  void* user_data;
+};
 
 struct Driver {
   CUresult (*launch_host_func)(CUstream, CUhostFn, void*) = nullptr;
@@ -30,6 +37,15 @@ struct Driver {
   // driver): a stream waits for a word to hold a value, or writes one.
   CUresult (*stream_wait_value32)(CUstream, CUdeviceptr, uint32_t, unsigned) = nullptr;
   CUresult (*stream_write_value32)(CUstream, CUdeviceptr, uint32_t, unsigned) = nullptr;
+  // The graph a stream is capturing into (cuStreamGetCaptureInfo, the _v3
+  // entry point of CUDA 12.3 and later, else the _v2 one), and a node added
+  // to a graph directly: the doorbell's wake-up node (doorbell_gather.h).
+  CUresult (*stream_get_capture_info_v3)(CUstream, int*, uint64_t*, CUgraph*, const CUgraphNode**,
+                                         const void**, size_t*) = nullptr;
+  CUresult (*stream_get_capture_info_v2)(CUstream, int*, uint64_t*, CUgraph*, const CUgraphNode**,
+                                         size_t*) = nullptr;
+  CUresult (*graph_add_host_node)(CUgraphNode*, CUgraph, const CUgraphNode*, size_t,
+                                  const CudaHostNodeParams*) = nullptr;
 
   // Why the driver cannot be used (the library or a required entry point
   // is missing); empty when it can.
@@ -38,6 +54,12 @@ struct Driver {
   bool has_stream_memory_ops() const {
     return stream_wait_value32 != nullptr && stream_write_value32 != nullptr;
   }
+  bool can_add_captured_nodes() const {
+    return (stream_get_capture_info_v3 != nullptr || stream_get_capture_info_v2 != nullptr) &&
+           graph_add_host_node != nullptr;
+  }
+  // The graph `stream` is capturing into; throws unless it is capturing.
+  CUgraph capturing_graph(CUstream stream) const;
 };
 
 // cuStreamWaitValue32's condition that the word equals the value, and

@@ -9,12 +9,17 @@
 // are stream memory operations, which graphs capture; neither blocks a host
 // thread of the caller.
 //
-// The one doorbell thread watches every captured gather of the process.  It
-// spins while replays come often, then polls more and more slowly, so that
-// it never keeps a CPU busy while no graph runs (doorbell_gather.cpp gives
-// the times).  It raises the done word whatever the gather did: a failed
-// gather sets the status word (the output is NaN and the next call raises),
-// and never leaves the stream waiting.
+// The one doorbell thread ("ple-doorbell") watches every captured gather of
+// the process.  It spins while replays come often and sleeps, taking no
+// CPU, once none has come for a while.  What wakes it is the graph: each
+// doorbell also puts a host node at the graph's start, with no edge to the
+// rest, whose function (on the driver's thread for host functions) wakes the
+// doorbell thread when it sleeps and then answers the ring itself if it
+// comes first, so that the first replay after a pause waits for one thread
+// to wake, not for a poll or two (doorbell_gather.cpp gives the times).
+// Whoever answers a ring raises the done word whatever the gather did: a
+// failed gather sets the status word (the output is NaN and the next call
+// raises), and never leaves the stream waiting.
 #pragma once
 
 #include "host_gather.h"

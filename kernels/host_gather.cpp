@@ -80,7 +80,8 @@ HostGatherJob for_replays(HostGatherJob job) {
 
 bool doorbell_wanted() {
   const char* choice = std::getenv("PLE_GRAPH_GATHER");
-  return driver().has_stream_memory_ops() && !doorbell_refused() &&
+  return driver().has_stream_memory_ops() && driver().can_add_captured_nodes() &&
+         !doorbell_refused() &&
          (choice == nullptr || std::strcmp(choice, "host_func") != 0);
 }
 

@@ -12,8 +12,10 @@ host-to-device copy, kernel), and a plain PyTorch baseline (NumPy fancy
 indexing of a memmap, torch.from_numpy, .to("cuda"), decode in torch).
 Cold calls drop the table's pages first; the baseline's memmap is opened
 for its own calls only, so that no other mapping keeps the pages.  Then:
-a graph of one tiny kernel (the floor of a replay), the doorbell graph and
-the tiny kernel's graph replayed after pauses, the operator with the table
+a graph of one tiny kernel (the floor of a replay), the doorbell graph, the
+host-node graph and the tiny kernel's graph replayed after pauses (by
+turns), with the doorbell thread's CPU time per second of the pauses and
+of an idle second, the operator with the table
 in tiers (eager, and 16 rows replayed in a CUDA graph), where the host time
 of one small eager call goes, and the copy bandwidths.
 """
@@ -259,16 +261,51 @@ def host_overhead(table, calls: int, gen: torch.Generator, device) -> dict[str, 
     return result
 
 
-def pause_rows(graph, calls: int, pauses_ms=(0, 20, 500)) -> dict[str, float]:
-    """Median replay time of a graph after each pause.  A doorbell graph's
-    doorbell thread spins after a ring, then polls more slowly
-    (doorbell_gather.cpp); a graph without one shows what a pause costs the
-    GPU and the driver alone."""
+PAUSES_MS = (0, 20, 500)
+DOORBELL_THREAD = "ple-doorbell"  # the doorbell thread's name (kernels/doorbell_gather.cpp)
+
+
+def thread_cpu_ns(name: str) -> int | None:
+    """CPU time so far of this process's thread called ``name``, in ns
+    (/proc/self/task/*/schedstat; None where no thread has that name)."""
+    for task in Path("/proc/self/task").iterdir():
+        try:
+            if (task / "comm").read_text().strip() == name:
+                return int((task / "schedstat").read_text().split()[0])
+        except (OSError, ValueError, IndexError):
+            continue
+    return None
+
+
+def pause_rows(graphs: dict, calls: int) -> dict[str, dict]:
+    """Per pause of PAUSES_MS: each graph's median replay after it (the
+    graphs by turns, each replay after its own pause), and the doorbell
+    thread's CPU time per second of the pauses (ms/s: the spin after each
+    replay, and what it takes while it sleeps).  A graph without a
+    doorbell shows what a pause costs the GPU and the driver alone."""
     result = {}
-    for pause in pauses_ms:
-        before = (lambda i, pause=pause: time.sleep(pause / 1e3)) if pause else None
-        result[f"after_{pause}ms_us"] = median_us(lambda i: graph.replay(), max(5, calls // 5), before)
+    for pause in PAUSES_MS:
+        def sleep(i, name, pause=pause):
+            time.sleep(pause / 1e3)
+        cpu0, start = thread_cpu_ns(DOORBELL_THREAD), time.perf_counter()
+        replays = by_turns({name: (lambda i, g=g: g.replay()) for name, g in graphs.items()},
+                           max(5, calls // 5), sleep if pause else None)
+        seconds, cpu1 = time.perf_counter() - start, thread_cpu_ns(DOORBELL_THREAD)
+        row = {f"{name}_us": us for name, us in replays.items()}
+        row["doorbell_thread_cpu_ms_per_s"] = (
+            None if cpu0 is None or cpu1 is None else (cpu1 - cpu0) / 1e6 / seconds)
+        result[f"after_{pause}ms"] = row
     return result
+
+
+def idle_cpu_ms_per_s(seconds: float = 1.0) -> float | None:
+    """The doorbell thread's CPU time per second while no graph runs, over
+    ``seconds`` from a moment after the last replay."""
+    time.sleep(0.1)  # past the spin after the last replay
+    cpu0 = thread_cpu_ns(DOORBELL_THREAD)
+    time.sleep(seconds)
+    cpu1 = thread_cpu_ns(DOORBELL_THREAD)
+    return None if cpu0 is None or cpu1 is None else (cpu1 - cpu0) / 1e6 / seconds
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -326,6 +363,8 @@ def run(args: argparse.Namespace) -> tuple[int, dict | None]:
         fmt, scale = table.row_format, table.scale
         baseline = Baseline(path, shard.offset, num_rows, scale, device)
         gen = torch.Generator().manual_seed(0)
+        tiny = torch.zeros(1, device=device)
+        floor_graph = capture(lambda: tiny.add_(1))
         results = []
         for state in ("warm", "cold"):
             if state == "warm":
@@ -365,7 +404,8 @@ def run(args: argparse.Namespace) -> tuple[int, dict | None]:
                 row["graph_doorbell_us"], row["graph_host_func_us"] = (
                     replays["doorbell"], replays["host_func"])
                 if state == "warm" and n == SIZES[0]:
-                    machine["doorbell_pauses"] = pause_rows(graphs["doorbell"], calls)
+                    machine["pauses"] = pause_rows({**graphs, "tiny": floor_graph}, calls)
+                    machine["doorbell_idle_cpu_ms_per_s"] = idle_cpu_ms_per_s()
                 del graphs
 
                 pinned = PinnedBuffer(n * ROW_BYTES)
@@ -397,10 +437,7 @@ def run(args: argparse.Namespace) -> tuple[int, dict | None]:
                 results.append(row)
                 print(f"  {state} {n} rows done", file=sys.stderr)
 
-        tiny = torch.zeros(1, device=device)
-        floor_graph = capture(lambda: tiny.add_(1))
         machine["tiny_graph_us"] = median_us(lambda i: floor_graph.replay(), args.calls)
-        machine["tiny_graph_pauses"] = pause_rows(floor_graph, args.calls)
         read_whole_file(path)  # the cold pass emptied the page cache
         tiers = tier_rows(table, args.calls, gen, device)
         host = host_overhead(table, args.calls, gen, device)
@@ -417,9 +454,24 @@ def run(args: argparse.Namespace) -> tuple[int, dict | None]:
     return 0, {"machine": machine, "cases": results, "tiers": tiers, "host": host}
 
 
-def pauses_text(pauses: dict[str, float]) -> str:
-    return ", ".join(f"{key.removeprefix('after_').removesuffix('_us')} {us:.1f} us"
-                     for key, us in pauses.items())
+def pauses_lines(pauses: dict[str, dict], idle_cpu: float | None) -> list[str]:
+    """The replays after each pause: the doorbell graph against the one-kernel
+    graph (goal: at most 1.5x), the host-node graph, and the doorbell
+    thread's CPU time."""
+    def ms_per_s(value: float | None) -> str:
+        return "-" if value is None else f"{value:.2f}"
+
+    lines = [f"16 warm rows in a graph, replayed after a pause (median us; by turns): "
+             f"{'pause':>6} {'doorbell':>9} {'one kernel':>10} {'ratio':>6} {'host node':>9} "
+             f"{'doorbell thread CPU ms/s':>24}"]
+    for key, row in pauses.items():
+        pause = key.removeprefix("after_")
+        lines.append(f"{'':<71}{pause:>6} {row['doorbell_us']:>9.1f} {row['tiny_us']:>10.1f} "
+                     f"{row['doorbell_us'] / row['tiny_us']:>5.2f}x {row['host_func_us']:>9.1f} "
+                     f"{ms_per_s(row['doorbell_thread_cpu_ms_per_s']):>24}")
+    lines.append(f"{'':<71}ratio: doorbell / one kernel (goal <= 1.5x after a pause); the "
+                 f"doorbell thread idle for a second: {ms_per_s(idle_cpu)} ms/s of CPU")
+    return lines
 
 
 def report(machine: dict, results: list[dict], tiers: list[dict], host: dict) -> None:
@@ -436,10 +488,7 @@ def report(machine: dict, results: list[dict], tiers: list[dict], host: dict) ->
           "host_gather_us: table.gather_bytes alone, timed on the host; native_us: the time "
           "inside the native gather")
     print(f"\na graph of one tiny kernel: {machine['tiny_graph_us']:.1f} us a replay (the floor)")
-    print("doorbell graph, 16 warm rows, replayed after a pause: "
-          + pauses_text(machine["doorbell_pauses"]))
-    print("graph of one tiny kernel, replayed after a pause:   "
-          + pauses_text(machine["tiny_graph_pauses"]))
+    print("\n".join(pauses_lines(machine["pauses"], machine["doorbell_idle_cpu_ms_per_s"])))
     print(f"\ntiers (warm, eager, median us): {'split':<7} {'device_rows':>12} {'host_rows':>12} "
           f"{'place_s':>8} " + " ".join(f"{n:>9}" for n in SIZES) + f" {'graph_' + str(SIZES[0]):>9}")
     for r in tiers:
