@@ -1,6 +1,6 @@
 """tools/bench_gpu.py's parts that need no GPU: a thread's CPU time found by
-its name (how the tool reads the doorbell thread's), and the lines of the
-replays after a pause."""
+its name (how the tool reads the doorbell thread's), the lines of the
+replays after a pause, and how many turns a pause row takes."""
 
 import ctypes
 import threading
@@ -34,12 +34,27 @@ def test_a_named_threads_cpu_time():
 
 
 def test_the_lines_of_replays_after_a_pause():
-    pauses = {"after_0ms": {"doorbell_us": 27.0, "tiny_us": 10.0, "host_func_us": 33.0,
-                            "doorbell_thread_cpu_ms_per_s": 400.0},
-              "after_500ms": {"doorbell_us": 90.0, "tiny_us": 80.0, "host_func_us": 95.0,
-                              "doorbell_thread_cpu_ms_per_s": None}}
-    header, busy, paused, legend = bench_gpu.pauses_lines(pauses, 0.05)
-    assert header.endswith("pause  doorbell one kernel  ratio host node doorbell thread CPU ms/s")
-    assert busy.split() == ["0ms", "27.0", "10.0", "2.70x", "33.0", "400.00"]
-    assert paused.split() == ["500ms", "90.0", "80.0", "1.12x", "95.0", "-"]
-    assert legend.strip().endswith("the doorbell thread idle for a second: 0.05 ms/s of CPU")
+    pauses = {"after_0ms": {"doorbell_us": 27.0, "host_func_us": 36.0, "doorbell_spinning_us": 26.0,
+                            "tiny_us": 10.0, "doorbell_thread_cpu_ms_per_s": 400.0,
+                            "answers": {"by_node": 1, "by_thread": 9, "handed_over": 0,
+                                        "thread_wakes": 1}},
+              "after_5000ms": {"doorbell_us": 110.0, "host_func_us": 100.0,
+                               "doorbell_spinning_us": 40.0, "tiny_us": 18.0,
+                               "doorbell_thread_cpu_ms_per_s": None,
+                               "answers": {"by_node": 3, "by_thread": 0, "handed_over": 0,
+                                           "thread_wakes": 0}}}
+    title, header, busy, paused, legend, idle = bench_gpu.pauses_lines(pauses, 0.05)
+    assert title.startswith("16 warm rows in a graph, replayed after a pause")
+    assert header.split() == ["pause", "doorbell", "host", "node", "ratio", "spinning", "one",
+                              "kernel", "thread", "CPU", "ms/s", "by", "node", "by", "thread"]
+    assert busy.split() == ["0ms", "27.0", "36.0", "0.75x", "26.0", "10.0", "400.00", "1", "9"]
+    assert paused.split() == ["5000ms", "110.0", "100.0", "1.10x", "40.0", "18.0", "-", "3", "0"]
+    assert "goal <= 1.2x after each pause" in legend
+    assert idle.strip() == "the doorbell thread idle for a second: 0.05 ms/s of CPU (goal <= 1)"
+
+
+def test_rows_of_long_pauses_take_fewer_turns():
+    assert bench_gpu.PAUSES_MS == (0, 20, 500, 5000)
+    # 4 graphs by turns: 10 turns of 500 ms pauses take 20 s; of 5 s, 3 take 60 s.
+    assert [bench_gpu.pause_turns(p, 4, 50) for p in bench_gpu.PAUSES_MS] == [10, 10, 10, 3]
+    assert bench_gpu.pause_turns(0, 4, 10) == 5

@@ -12,10 +12,11 @@ host-to-device copy, kernel), and a plain PyTorch baseline (NumPy fancy
 indexing of a memmap, torch.from_numpy, .to("cuda"), decode in torch).
 Cold calls drop the table's pages first; the baseline's memmap is opened
 for its own calls only, so that no other mapping keeps the pages.  Then:
-a graph of one tiny kernel (the floor of a replay), the doorbell graph, the
-host-node graph and the tiny kernel's graph replayed after pauses (by
-turns), with the doorbell thread's CPU time per second of the pauses and
-of an idle second, the operator with the table
+a graph of one tiny kernel (the floor of a replay), the doorbell graph (as
+it is, and with its thread kept spinning), the host-node graph and the tiny
+kernel's graph replayed after pauses of 0, 20, 500 ms and 5 s (by turns),
+with who answered the doorbell's rings and its thread's CPU time per
+second of the pauses and of an idle second, the operator with the table
 in tiers (eager, and 16 rows replayed in a CUDA graph), where the host time
 of one small eager call goes, and the copy bandwidths.
 """
@@ -261,39 +262,71 @@ def host_overhead(table, calls: int, gen: torch.Generator, device) -> dict[str, 
     return result
 
 
-PAUSES_MS = (0, 20, 500)
+PAUSES_MS = (0, 20, 500, 5000)
 DOORBELL_THREAD = "ple-doorbell"  # the doorbell thread's name (kernels/doorbell_gather.cpp)
+# The goal of a doorbell replay after a pause: at most this times the host-node graph's.
+PAUSE_GOAL = 1.2
+# The seconds of pauses a pause row may take at most (rows of long pauses take
+# fewer turns, 3 at least).
+PAUSE_ROW_S = 30.0
 
 
 def thread_cpu_ns(name: str) -> int | None:
-    """CPU time so far of this process's thread called ``name``, in ns
+    """CPU time so far of this process's threads called ``name``, in ns
     (/proc/self/task/*/schedstat; None where no thread has that name)."""
+    found = None
     for task in Path("/proc/self/task").iterdir():
         try:
             if (task / "comm").read_text().strip() == name:
-                return int((task / "schedstat").read_text().split()[0])
+                found = (found or 0) + int((task / "schedstat").read_text().split()[0])
         except (OSError, ValueError, IndexError):
             continue
-    return None
+    return found
+
+
+def pause_turns(pause_ms: int, arms: int, calls: int) -> int:
+    """Turns of a pause row: calls // 5 (5 at least), fewer where their
+    pauses would take more than PAUSE_ROW_S, 3 at the least."""
+    turns = max(5, calls // 5)
+    if pause_ms:
+        turns = min(turns, int(PAUSE_ROW_S / (pause_ms / 1e3 * arms)))
+    return max(3, turns)
 
 
 def pause_rows(graphs: dict, calls: int) -> dict[str, dict]:
     """Per pause of PAUSES_MS: each graph's median replay after it (the
-    graphs by turns, each replay after its own pause), and the doorbell
-    thread's CPU time per second of the pauses (ms/s: the spin after each
-    replay, and what it takes while it sleeps).  A graph without a
-    doorbell shows what a pause costs the GPU and the driver alone."""
+    graphs by turns, each replay after its own pause), the doorbell
+    thread's CPU time per second of the row (ms/s: at pause 0 while replays
+    run back to back; after a pause the spin after a replay, and the checks
+    of its sleep), and who answered the doorbell graph's rings (its wake-up
+    node or the thread).  ``graphs`` holds "doorbell" (replayed as it is, and
+    as "doorbell_spinning" with the doorbell thread kept spinning through
+    the pause: what is left of a replay's cost after a pause once nothing
+    must wake), "host_func" and "tiny" (one kernel: what a pause costs the
+    GPU and the driver alone)."""
+    from ple.kernels.native import native
+
+    arms = {name: (lambda i, g=g: g.replay()) for name, g in graphs.items()}
+    arms["doorbell_spinning"] = arms["doorbell"]
     result = {}
     for pause in PAUSES_MS:
-        def sleep(i, name, pause=pause):
+        def before(i, name, pause=pause):
+            native.set_doorbell_always_spins(name == "doorbell_spinning")
             time.sleep(pause / 1e3)
+
         cpu0, start = thread_cpu_ns(DOORBELL_THREAD), time.perf_counter()
-        replays = by_turns({name: (lambda i, g=g: g.replay()) for name, g in graphs.items()},
-                           max(5, calls // 5), sleep if pause else None)
+        answers0 = native.doorbell_counts()
+        try:
+            replays = by_turns(arms, pause_turns(pause, len(arms), calls), before)
+        finally:
+            native.set_doorbell_always_spins(False)
         seconds, cpu1 = time.perf_counter() - start, thread_cpu_ns(DOORBELL_THREAD)
         row = {f"{name}_us": us for name, us in replays.items()}
+        row["doorbell_over_host_func"] = row["doorbell_us"] / row["host_func_us"]
         row["doorbell_thread_cpu_ms_per_s"] = (
             None if cpu0 is None or cpu1 is None else (cpu1 - cpu0) / 1e6 / seconds)
+        row["answers"] = {key: value - answers0[key]
+                          for key, value in native.doorbell_counts().items()}
         result[f"after_{pause}ms"] = row
     return result
 
@@ -455,22 +488,32 @@ def run(args: argparse.Namespace) -> tuple[int, dict | None]:
 
 
 def pauses_lines(pauses: dict[str, dict], idle_cpu: float | None) -> list[str]:
-    """The replays after each pause: the doorbell graph against the one-kernel
-    graph (goal: at most 1.5x), the host-node graph, and the doorbell
-    thread's CPU time."""
+    """The replays after each pause: the doorbell graph against the host-node
+    graph (goal: at most PAUSE_GOAL times), the doorbell graph with its thread
+    kept spinning, the one-kernel graph, the doorbell thread's CPU time and
+    who answered the doorbell's rings."""
     def ms_per_s(value: float | None) -> str:
         return "-" if value is None else f"{value:.2f}"
 
-    lines = [f"16 warm rows in a graph, replayed after a pause (median us; by turns): "
-             f"{'pause':>6} {'doorbell':>9} {'one kernel':>10} {'ratio':>6} {'host node':>9} "
-             f"{'doorbell thread CPU ms/s':>24}"]
+    indent = " " * 2
+    lines = ["16 warm rows in a graph, replayed after a pause (median us; by turns):",
+             f"{indent}{'pause':>6} {'doorbell':>9} {'host node':>9} {'ratio':>6} "
+             f"{'spinning':>9} {'one kernel':>10} {'thread CPU ms/s':>15} "
+             f"{'by node':>7} {'by thread':>9}"]
     for key, row in pauses.items():
-        pause = key.removeprefix("after_")
-        lines.append(f"{'':<71}{pause:>6} {row['doorbell_us']:>9.1f} {row['tiny_us']:>10.1f} "
-                     f"{row['doorbell_us'] / row['tiny_us']:>5.2f}x {row['host_func_us']:>9.1f} "
-                     f"{ms_per_s(row['doorbell_thread_cpu_ms_per_s']):>24}")
-    lines.append(f"{'':<71}ratio: doorbell / one kernel (goal <= 1.5x after a pause); the "
-                 f"doorbell thread idle for a second: {ms_per_s(idle_cpu)} ms/s of CPU")
+        answers = row.get("answers", {})
+        lines.append(
+            f"{indent}{key.removeprefix('after_'):>6} {row['doorbell_us']:>9.1f} "
+            f"{row['host_func_us']:>9.1f} {row['doorbell_us'] / row['host_func_us']:>5.2f}x "
+            f"{row['doorbell_spinning_us']:>9.1f} {row['tiny_us']:>10.1f} "
+            f"{ms_per_s(row['doorbell_thread_cpu_ms_per_s']):>15} "
+            f"{answers.get('by_node', '-'):>7} {answers.get('by_thread', '-'):>9}")
+    lines.append(f"{indent}ratio: doorbell / host node (goal <= {PAUSE_GOAL:g}x after each pause); "
+                 "spinning: the doorbell graph with its thread kept spinning through the pause; "
+                 "thread CPU: the doorbell thread's over the row (at 0ms while replays run); "
+                 "by node / by thread: who answered the doorbell graph's rings")
+    lines.append(f"{indent}the doorbell thread idle for a second: {ms_per_s(idle_cpu)} ms/s of CPU "
+                 "(goal <= 1)")
     return lines
 
 
