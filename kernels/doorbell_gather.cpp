@@ -143,7 +143,8 @@ void futex_wait(std::atomic<uint32_t>& word, uint32_t expected, std::chrono::nan
 }
 
 void futex_wake(std::atomic<uint32_t>& word) {
-  ::syscall(SYS_futex, reinterpret_cast<uint32_t*>(&word), FUTEX_WAKE_PRIVATE, 1, nullptr, nullptr, 0);
+  ::syscall(SYS_futex, reinterpret_cast<uint32_t*>(&word), FUTEX_WAKE_PRIVATE, 1, nullptr, nullptr,
+            0);
 }
 
 // The doorbell thread and the jobs it watches.  Never destroyed, and the
@@ -274,9 +275,8 @@ std::atomic<bool> refused{false};
 // When the last wake-up node began, in steady-clock ns.
 std::atomic<int64_t> last_replay_ns{0};
 
-int64_t now_ns() {
-  return std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now().time_since_epoch())
-      .count();
+int64_t ns(Clock::duration duration) {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(duration).count();
 }
 
 // The wake-up node's host function (doorbell_gather.h).  It must not throw,
@@ -284,7 +284,7 @@ int64_t now_ns() {
 void wake_for_replay(void* data) {
   DoorbellJob& job = *static_cast<DoorbellJob*>(data);
   const uint64_t replay = job.replays.fetch_add(1) + 1;
-  const int64_t began = now_ns();
+  const int64_t began = ns(Clock::now().time_since_epoch());
   const int64_t before = last_replay_ns.exchange(began, std::memory_order_relaxed);
   if (!doorbell.asleep()) return;  // the thread sees the replay in flight and answers it
   const auto deadline = Clock::now() + kNodeWait;
@@ -296,7 +296,7 @@ void wake_for_replay(void* data) {
     }
     cpu_relax();
   }
-  if (began - before < std::chrono::duration_cast<std::chrono::nanoseconds>(kCloseReplays).count()) {
+  if (began - before < ns(kCloseReplays)) {
     thread_wakes.fetch_add(1, std::memory_order_relaxed);
     doorbell.wake();
   }

@@ -87,9 +87,10 @@ class ThreadSampler:
                         os.close(files.pop(tid))
                         continue
                     # pid (comm) state ...: comm may hold spaces and parentheses
-                    name, rest = stat[stat.index("(") + 1:stat.rindex(")")], stat[stat.rindex(")") + 2:]
-                    fields = rest.split()
-                    self.names[tid] = "main" if tid == pid else name  # its latest: threads rename themselves
+                    close = stat.rindex(")")
+                    fields = stat[close + 2:].split()
+                    # The latest name: a thread may name itself after it starts.
+                    self.names[tid] = "main" if tid == pid else stat[stat.index("(") + 1:close]
                     sample[tid] = (fields[0], int(fields[11]) + int(fields[12]))  # utime + stime
                 self.samples.append((time.monotonic(), sample))
                 self._stop.wait(self.interval_s)
