@@ -190,9 +190,11 @@ class Doorbell {
     if (sleeping_.load()) futex_wake(wakes_);
   }
 
+  // Turned off, the thread sleeps after its spin as ever; turned on, it is
+  // woken to spin.
   void set_always_spins(bool spin) {
     always_spins_.store(spin);
-    wake();
+    if (spin) wake();
   }
 
  private:

@@ -1,10 +1,13 @@
 """tools/bench_gpu.py's parts that need no GPU: a thread's CPU time found by
 its name (how the tool reads the doorbell thread's), the lines of the
-replays after a pause, and how many turns a pause row takes."""
+replays after a pause, how many turns a pause row takes, and a pause row's
+accounts by graph (stand-in graphs and counts)."""
 
 import ctypes
 import threading
 import time
+
+import torch
 
 from ple_tools import bench_gpu
 
@@ -58,3 +61,44 @@ def test_rows_of_long_pauses_take_fewer_turns():
     # 4 graphs by turns: 10 turns of 500 ms pauses take 20 s; of 5 s, 3 take 60 s.
     assert [bench_gpu.pause_turns(p, 4, 50) for p in bench_gpu.PAUSES_MS] == [10, 10, 10, 3]
     assert bench_gpu.pause_turns(0, 4, 10) == 5
+
+
+def test_a_pause_row_accounts_each_graph_apart(monkeypatch):
+    """The doorbell graph's answers and the thread's CPU are its own turns',
+    not the spinning graph's; the spinning graph is replayed with the thread
+    told to spin, and the thread is told to stop after the row."""
+    from ple.kernels.native import native
+
+    counts = {"by_thread": 0, "by_node": 0, "handed_over": 0, "thread_wakes": 0}
+    cpu_ns = [0]
+    spinning = [False]
+    told = []
+
+    class Graph:
+        def __init__(self, name):
+            self.name = name
+
+        def replay(self):
+            # The stand-in thread answers while told to spin, else the node does.
+            counts["by_thread" if spinning[0] else "by_node"] += 1
+            cpu_ns[0] += 5_000_000 if spinning[0] else 1_000
+
+    def set_spins(spin):
+        told.append(spin)
+        spinning[0] = spin
+
+    monkeypatch.setattr(native, "doorbell_counts", lambda: dict(counts), raising=False)
+    monkeypatch.setattr(native, "set_doorbell_always_spins", set_spins, raising=False)
+    monkeypatch.setattr(bench_gpu, "thread_cpu_ns", lambda name: cpu_ns[0])
+    monkeypatch.setattr(bench_gpu, "PAUSES_MS", (0, 1))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    graphs = {name: Graph(name) for name in ("doorbell", "host_func", "tiny")}
+    rows = bench_gpu.pause_rows(graphs, 20)
+    assert list(rows) == ["after_0ms", "after_1ms"]
+    for row in rows.values():
+        assert set(row) >= {"doorbell_us", "doorbell_spinning_us", "host_func_us", "tiny_us",
+                            "doorbell_over_host_func", "doorbell_thread_cpu_ms_per_s"}
+        assert row["answers"]["by_node"] == 5 and row["answers"]["by_thread"] == 0
+        # 1 us of CPU a doorbell turn, none for the others: far below the spinning turns' 5 ms.
+        assert row["doorbell_thread_cpu_ms_per_s"] < 5
+    assert told[-1] is False and True in told

@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+from collections import defaultdict
 import sys
 import time
 from pathlib import Path
@@ -296,37 +297,59 @@ def pause_turns(pause_ms: int, arms: int, calls: int) -> int:
 def pause_rows(graphs: dict, calls: int) -> dict[str, dict]:
     """Per pause of PAUSES_MS: each graph's median replay after it (the
     graphs by turns, each replay after its own pause), the doorbell
-    thread's CPU time per second of the row (ms/s: at pause 0 while replays
-    run back to back; after a pause the spin after a replay, and the checks
-    of its sleep), and who answered the doorbell graph's rings (its wake-up
-    node or the thread).  ``graphs`` holds "doorbell" (replayed as it is, and
-    as "doorbell_spinning" with the doorbell thread kept spinning through
-    the pause: what is left of a replay's cost after a pause once nothing
-    must wake), "host_func" and "tiny" (one kernel: what a pause costs the
-    GPU and the driver alone)."""
+    thread's CPU time per second of the row's graphs but the spinning one
+    (ms/s: at pause 0 while replays run back to back; after a pause the spin
+    after a replay, and the checks of its sleep), and who answered the
+    doorbell graph's rings (its wake-up node or the thread; the spinning
+    one's are the thread's).  ``graphs``
+    holds "doorbell" (replayed as it is, and as "doorbell_spinning" with the
+    doorbell thread kept spinning through the pause: what is left of a
+    replay's cost after a pause once nothing must wake), "host_func" and
+    "tiny" (one kernel: what a pause costs the GPU and the driver alone)."""
     from ple.kernels.native import native
 
     arms = {name: (lambda i, g=g: g.replay()) for name, g in graphs.items()}
     arms["doorbell_spinning"] = arms["doorbell"]
     result = {}
     for pause in PAUSES_MS:
+        # The thread's CPU, the seconds and who answered, from one arm's turn
+        # to the next, by arm: a turn is its pause and its replay.
+        cpu, seconds = defaultdict(int), defaultdict(float)
+        answers = defaultdict(lambda: defaultdict(int))
+        last = {"arm": None, "cpu": None, "at": 0.0, "counts": None, "spins": False}
+
+        def account() -> None:
+            now, used = time.perf_counter(), thread_cpu_ns(DOORBELL_THREAD)
+            counts = native.doorbell_counts()
+            if last["arm"] is not None:
+                if None not in (used, last["cpu"]):
+                    cpu[last["arm"]] += used - last["cpu"]
+                seconds[last["arm"]] += now - last["at"]
+                for key, value in counts.items():
+                    answers[last["arm"]][key] += value - last["counts"][key]
+            last.update(cpu=used, at=now, counts=counts)
+
         def before(i, name, pause=pause):
-            native.set_doorbell_always_spins(name == "doorbell_spinning")
+            account()
+            last["arm"] = name
+            spins = name == "doorbell_spinning"
+            if spins != last["spins"]:
+                native.set_doorbell_always_spins(spins)
+                last["spins"] = spins
             time.sleep(pause / 1e3)
 
-        cpu0, start = thread_cpu_ns(DOORBELL_THREAD), time.perf_counter()
-        answers0 = native.doorbell_counts()
         try:
             replays = by_turns(arms, pause_turns(pause, len(arms), calls), before)
+            account()
         finally:
             native.set_doorbell_always_spins(False)
-        seconds, cpu1 = time.perf_counter() - start, thread_cpu_ns(DOORBELL_THREAD)
         row = {f"{name}_us": us for name, us in replays.items()}
         row["doorbell_over_host_func"] = row["doorbell_us"] / row["host_func_us"]
+        unspun = [arm for arm in seconds if arm != "doorbell_spinning"]
         row["doorbell_thread_cpu_ms_per_s"] = (
-            None if cpu0 is None or cpu1 is None else (cpu1 - cpu0) / 1e6 / seconds)
-        row["answers"] = {key: value - answers0[key]
-                          for key, value in native.doorbell_counts().items()}
+            sum(cpu[arm] for arm in unspun) / 1e6 / sum(seconds[arm] for arm in unspun)
+            if unspun else None)
+        row["answers"] = dict(answers["doorbell"])
         result[f"after_{pause}ms"] = row
     return result
 
@@ -510,7 +533,8 @@ def pauses_lines(pauses: dict[str, dict], idle_cpu: float | None) -> list[str]:
             f"{answers.get('by_node', '-'):>7} {answers.get('by_thread', '-'):>9}")
     lines.append(f"{indent}ratio: doorbell / host node (goal <= {PAUSE_GOAL:g}x after each pause); "
                  "spinning: the doorbell graph with its thread kept spinning through the pause; "
-                 "thread CPU: the doorbell thread's over the row (at 0ms while replays run); "
+                 "thread CPU: the doorbell thread's over the row's turns but the spinning graph's (at 0ms "
+                 "while replays run); "
                  "by node / by thread: who answered the doorbell graph's rings")
     lines.append(f"{indent}the doorbell thread idle for a second: {ms_per_s(idle_cpu)} ms/s of CPU "
                  "(goal <= 1)")
