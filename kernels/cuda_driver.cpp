@@ -76,7 +76,9 @@ CapturePoint Driver::capture_point(CUstream stream) const {
   const CUgraphNode* frontier = nullptr;
   size_t count = 0;
   if (stream_get_capture_info_v3 != nullptr) {
-    check(stream_get_capture_info_v3(stream, &status, nullptr, &point.graph, &frontier, nullptr,
+    // The edges' data too: a query without it fails where an edge carries any.
+    const CudaGraphEdgeData* edges = nullptr;
+    check(stream_get_capture_info_v3(stream, &status, nullptr, &point.graph, &frontier, &edges,
                                      &count),
           "cuStreamGetCaptureInfo_v3");
   } else {
