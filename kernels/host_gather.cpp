@@ -24,7 +24,6 @@
 #include <mutex>
 #include <string>
 #include <utility>
-#include <vector>
 
 #include "doorbell_gather.h"
 #include "worker_pool.h"
