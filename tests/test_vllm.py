@@ -114,7 +114,7 @@ def main():
     from torch._dynamo.utils import counters
     import ple
     # A table of the same name from other files, opened before the model's.
-    other = os.environ.get("PLE_TEST_OPEN_FIRST")
+    other = os.environ.get("TEST_OPEN_FIRST_TABLE")
     opened_first = ple.Table.from_safetensors(other, "model.embed_tokens_per_layer.weight") if other else None
     for arm in spec["arms"]:
         for name, value in arm.get("env", {}).items():
@@ -430,7 +430,7 @@ def test_a_warm_compile_cache_in_a_process_whose_tables_open_in_another_order(tm
     first = run_session(model, [compiled], engine_in_process=True, env=caches)[0]["compiled-ple"]
     # The same table's file with another mtime: the table has another handle.
     touched = {**compiled, "name": "touched", "touch": [TABLE_FILE]}
-    opens_another_first = {"PLE_TEST_OPEN_FIRST": str(other / TABLE_FILE)}
+    opens_another_first = {"TEST_OPEN_FIRST_TABLE": str(other / TABLE_FILE)}
     results, _ = run_session(model, [compiled, touched], engine_in_process=True,
                              env={**caches, **opens_another_first})
     second, third = results["compiled-ple"], results["touched"]
