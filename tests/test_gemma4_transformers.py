@@ -30,10 +30,11 @@ from ple.integrations import families  # noqa: E402
 from ple.integrations.transformers import close_tables, from_pretrained, tables  # noqa: E402
 
 # E4B's structure at a tiny size: per-layer inputs of every layer packed in one
-# table, the last layers sharing the KV of earlier ones, sliding and full
-# attention, a vision and an audio tower, the lm_head tied to embed_tokens.
+# table (rows of 256 values: one K-quant block), the last layers sharing the KV
+# of earlier ones, sliding and full attention, a vision and an audio tower, the
+# lm_head tied to embed_tokens.
 TEXT = dict(vocab_size=512, vocab_size_per_layer_input=512, hidden_size=64,
-            hidden_size_per_layer_input=24, intermediate_size=128, num_hidden_layers=4,
+            hidden_size_per_layer_input=64, intermediate_size=128, num_hidden_layers=4,
             num_attention_heads=2, num_key_value_heads=1, head_dim=32, num_kv_shared_layers=2,
             sliding_window=8, layer_types=["sliding_attention", "full_attention"] * 2,
             max_position_embeddings=256)
@@ -228,3 +229,52 @@ def test_variants_without_a_per_layer_table_have_nothing_to_serve(variant, tmp_p
             in caplog.text)
     assert_same_bits(logits(served, prompt()), logits(model_class.from_pretrained(tmp_path),
                                                       prompt()))
+
+
+@pytest.mark.parametrize("qtype", ["q5_k", "q8_0"])
+def test_a_quantized_copy_of_the_table_serves_in_its_place(checkpoint, qtype, tmp_path):
+    """ple-quantize-table writes the table as a GGUF tensor; from_pretrained
+    gathers from it (table_file=): logits equal to transformers' model with
+    the dequantized table in the table's place, the packed rows read; the
+    state dict keeps the checkpoint's own table (a save is the original)."""
+    import gguf
+
+    from ple_tools import quantize_table
+
+    copy = tmp_path / f"table-{qtype}.gguf"
+    assert quantize_table.main([str(checkpoint), str(copy), "--type", qtype]) == 0
+    reader = gguf.GGUFReader(copy)
+    (tensor,) = reader.tensors
+    assert tensor.name == "per_layer_token_embd.weight"
+    dequantized = torch.from_numpy(gguf.quants.dequantize(tensor.data, tensor.tensor_type).copy())
+    for dtype in (torch.float32, torch.bfloat16):
+        served = from_pretrained(AutoModelForCausalLM, checkpoint, dtype=dtype, table_file=copy)
+        reference = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=dtype)
+        per_layer = reference.model.language_model.embed_tokens_per_layer
+        with torch.no_grad():
+            per_layer.weight.copy_(dequantized.reshape(per_layer.weight.shape).to(dtype))
+        (table,) = tables(served).values()
+        assert table.format == qtype and table.paths == [copy.resolve()]
+        table.reset_stats()
+        ids = prompt()
+        assert_same_bits(logits(served, ids), logits(reference, ids))
+        stats = table.stats()
+        assert stats["bytes_copied"] == ids.numel() * table.row_bytes  # packed rows, not values
+        state = served.state_dict()[f"{TABLE}.weight"]
+        with safe_open(checkpoint / "model.safetensors", "pt") as f:
+            assert_same_bits(state, f.get_tensor(f"{TABLE}.weight"))
+        close_tables(served)
+
+
+def test_a_table_file_of_another_shape_is_refused(checkpoint, tmp_path):
+    import gguf
+
+    writer = gguf.GGUFWriter(str(tmp_path / "other.gguf"), "ple")
+    writer.add_tensor("per_layer_token_embd.weight", torch.zeros(8, 32).numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ValueError, match=r"'per_layer_token_embd.weight' has 8 rows of 32, but "
+                                         r"the table it stands for"):
+        from_pretrained(AutoModelForCausalLM, checkpoint, table_file=tmp_path / "other.gguf")
