@@ -15,7 +15,7 @@ import safetensors.torch
 import ple
 import ple_tools.make_table
 from helpers import REPO, directory_bytes, foreign_files_message, save_a_model
-from ple_tools.written import ForeignFilesError
+from ple_tools.written import ForeignFilesError, UnwritableError
 
 ARGUMENTS = dict(rows=100, row_bytes=16, shards=4, files=2, seed=0)
 
@@ -69,7 +69,7 @@ def test_other_arguments_write_it_again(make_table, tmp_path, change):
 def test_layout_json_lists_the_files_written(make_table, tmp_path):
     make_table.ensure_table(tmp_path / "a" / "b", **ARGUMENTS)  # a missing directory is made
     assert json.loads((tmp_path / "a" / "b" / "layout.json").read_text()) == {
-        "written_by": "ple-make-table", "complete": True,
+        "written_by": "ple-make-table", "what": "a table", "complete": True,
         "files": ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"],
         "layout": ARGUMENTS}
     assert sorted(p.name for p in (tmp_path / "a" / "b").iterdir()) == [
@@ -132,7 +132,7 @@ def test_files_without_their_layout_json_are_refused(make_table, tmp_path):
 
 def test_a_path_that_is_a_file_is_refused(make_table, tmp_path):
     (tmp_path / "table").write_text("x")
-    with pytest.raises(ForeignFilesError, match=f"^{tmp_path / 'table'} is not a directory: name "
+    with pytest.raises(UnwritableError, match=f"^{tmp_path / 'table'} is not a directory: name "
                        r"a directory for the tool to write into \(a missing one is created\)$"):
         make_table.ensure_table(tmp_path / "table", **ARGUMENTS)
 

@@ -124,9 +124,11 @@ import tempfile
 import time
 from pathlib import Path
 
-from ple_tools.argtypes import (non_negative_float, non_negative_int, positive_float, positive_int,
-                                positive_int_list)
+from ple_tools.argtypes import (MAX_ROW_CACHE_MIB, InputFile, OutputFile, lookahead_mib,
+                                milliseconds, non_negative_int, positive_int,
+                                refuse_over_memory, row_cache_mib_list, seconds)
 from ple_tools.figures import add_json_option, parse_with_defaults, run_recorded
+from ple_tools.make_table import refuse_table
 
 MiB = 2**20
 # Flash-Next's n-gram hashing (vocab, EOS, 3-grams of 8 heads, seed 1234): PLE layer 0.
@@ -737,23 +739,24 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="prompt tokens: the first N of the text (default 184134; --quick 8192)")
     parser.add_argument("--chunk", type=positive_int, default=2048,
                         help="tokens a chunk (default 2048)")
-    parser.add_argument("--text", type=Path, help="a UTF-8 text file to tokenize (default: "
-                        "this Python's documentation)")
-    parser.add_argument("--tokens", type=Path,
+    parser.add_argument("--text", action=InputFile, help="a UTF-8 text file to tokenize "
+                        "(default: this Python's documentation)")
+    parser.add_argument("--tokens", action=InputFile,
                         help="a .npy of token ids to use instead of tokenizing a text")
-    parser.add_argument("--ranks", type=Path, help="GPT-2's gpt2.tiktoken (default "
+    parser.add_argument("--ranks", action=InputFile, help="GPT-2's gpt2.tiktoken (default "
                         f"{RANKS_CACHE}, downloaded there when missing)")
-    parser.add_argument("--save-text", type=Path, metavar="PATH", help="write the text used")
-    parser.add_argument("--save-tokens", type=Path, metavar="PATH",
+    parser.add_argument("--save-text", action=OutputFile, metavar="PATH",
+                        help="write the text used")
+    parser.add_argument("--save-tokens", action=OutputFile, metavar="PATH",
                         help="write the prompt's tokens (.npy)")
     parser.add_argument("--arms", help="arms to run, comma separated (default: window, all, "
                         "direct, direct-cache:MiB per --caches, lookahead)")
-    parser.add_argument("--caches", type=positive_int_list,
+    parser.add_argument("--caches", type=row_cache_mib_list,
                         help="MiB of the direct-cache arms, comma separated "
                         "(default 512; --quick 16)")
-    parser.add_argument("--lookahead-mib", type=positive_int, default=64,
+    parser.add_argument("--lookahead-mib", type=lookahead_mib, default=64,
                         help="the lookahead arm's bound on rows read ahead (default 64)")
-    parser.add_argument("--compute-ms", type=non_negative_float, default=0.0, metavar="N",
+    parser.add_argument("--compute-ms", type=milliseconds, default=0.0, metavar="N",
                         help="busy compute after each chunk, ms (default 0: none)")
     parser.add_argument("--model-layers", type=non_negative_int, default=0, metavar="N",
                         help="run the arms through a Qwen4Exp-shaped model of N (3 or more) "
@@ -771,13 +774,60 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "the row cache of a direct-cache arm; needs root or a delegated cgroup)")
     parser.add_argument("--ballast", type=non_negative_int, default=0, metavar="MiB",
                         help="touched anonymous memory each child holds in its cgroup")
-    parser.add_argument("--deadline", type=positive_float, metavar="S",
+    parser.add_argument("--deadline", type=seconds, metavar="S",
                         help="an arm still running after S seconds is killed and reported as "
                         "timed out (default 300; --quick 120)")
     add_json_option(parser)
     parser.add_argument("--quick", action="store_true", help="a small run for CI (see below)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
-    return parse_with_defaults(parser, argv, DEFAULTS, QUICK)
+    args = parse_with_defaults(parser, argv, DEFAULTS, QUICK)
+    if not args.child:
+        refuse_run(parser, args)
+    return args
+
+
+# What a prompt token takes in the parent: its id, its 16 row ids, their pages.
+TOKEN_BYTES = 256
+
+
+def known_arm(arm: str) -> bool:
+    """Whether ``arm`` names an arm (arm_config's, without importing ple)."""
+    _, reader = split_arm(arm)
+    if reader is None:
+        return True
+    kind, colon, mib = reader.partition(":")
+    if kind == "direct-cache":
+        return mib.isdigit() and len(mib) < 20 and int(mib) <= MAX_ROW_CACHE_MIB
+    return not colon and reader in (WINDOW, "all", "direct")
+
+
+def refuse_run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """The checks of the arguments together, before anything is written:
+    the arms, the model, the device, the memory and the table."""
+    arms = default_arms(args)
+    unknown = [arm for arm in arms if not known_arm(arm)]
+    if unknown:
+        parser.error(f"argument --arms: unknown arm {unknown[0]!r}: arms are window, all, direct, "
+                     "direct-cache:MiB, lookahead and lookahead-<arm>, and with --model-layers "
+                     "compute, reads and reads-<arm>")
+    if args.model_layers and args.model_layers < 3:
+        parser.error("argument --model-layers: 3 or more (the PLE layer is decoder layer 2, and a "
+                     "full-attention layer must follow)")
+    if not args.model_layers and COMPUTE in arms:
+        parser.error("argument --arms: the compute arm needs --model-layers")
+    refuse_over_memory(parser, "--tokens-count", args.tokens_count * TOKEN_BYTES,
+                       f"a prompt of {args.tokens_count:,} tokens")
+    largest_cache = max(map(cache_mib, arms), default=0)
+    refuse_over_memory(parser, "--caches", largest_cache * MiB,
+                       f"a row cache of {largest_cache:,} MiB")
+    import torch  # the arguments are good so far
+
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error(f"argument --device: cuda, and torch {torch.__version__} sees no CUDA device")
+    refuse_table(parser, args.table, rows=hashing_of(args.ngram_base).padded_rows(PAD_TO),
+                 row_bytes=160, shards=args.shards, files=args.files,
+                 options={"directory": "--table", "size": "--ngram-base", "shards": "--shards",
+                          "files": "--files"})
 
 
 def default_arms(args) -> list[str]:
@@ -809,19 +859,6 @@ def run(args) -> tuple[int, dict | None]:
     if args.device is None:
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     arms = default_arms(args)
-    for arm in arms:
-        try:
-            arm_config(arm)
-        except (KeyError, ValueError):
-            print(f"error: unknown arm {arm!r}", file=sys.stderr)
-            return 2, None
-    if args.model_layers and args.model_layers < 3:
-        print("error: --model-layers must be 3 or more (the PLE layer is decoder layer 2, "
-              "and a full-attention layer must follow)", file=sys.stderr)
-        return 2, None
-    if not args.model_layers and COMPUTE in arms:
-        print("error: the compute arm needs --model-layers", file=sys.stderr)
-        return 2, None
     if any(map(looks_ahead, arms)) and not lookahead_available():
         print("lookahead: not available (this ple's NGramEmbedding has no lookahead()); "
               "its arms are left out", file=sys.stderr)
