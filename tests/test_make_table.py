@@ -6,8 +6,10 @@ command lines say so and exit 2); write_table shows a progress bar when
 asked."""
 
 import json
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import safetensors.torch
@@ -204,36 +206,90 @@ def test_the_command_line_says_so_and_exits_2(tmp_path):
     assert directory_bytes(tmp_path) == before
 
 
-@pytest.mark.parametrize("tool, options", [
-    ("demo", []), ("bench_gather", ["--quick"]), ("bench_warm", []), ("bench_serving", []),
-    ("bench_layers", []), ("bench_tensor_parallel", ["--device", "cpu"])])
-def test_every_table_tool_refuses_a_saved_model(tool, options, tmp_path, capsys):
-    """Each tool's ``--table DIR`` (in this process: each refuses before its
-    benchmark starts); bench_gpu needs CUDA before it writes its table, and
-    shares the same ensure_table."""
-    import importlib
+# Each table tool's console script and the options that keep its other
+# checks quiet.
+TABLE_TOOLS = [("ple-demo", []), ("ple-bench-gather", ["--quick"]), ("ple-bench-warm", []),
+               ("ple-bench-serving", []), ("ple-bench-layers", []), ("ple-bench-gpu", []),
+               ("ple-bench-tensor-parallel", ["--device", "cpu"]),
+               ("ple-bench-prefill", ["--quick", "--device", "cpu"])]
+HEAVY = {"torch", "numpy", "ple", "safetensors", "transformers"}
 
+
+def run_script(name: str, arguments: list[str]) -> tuple[subprocess.CompletedProcess, set[str]]:
+    """A console script as a user runs it, and the heavy modules it imported."""
+    run = subprocess.run([str(Path(sys.executable).with_name(name)), *arguments],
+                         capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONPROFILEIMPORTTIME": "1"})
+    imported = {line.rsplit("|", 1)[-1].strip() for line in run.stderr.splitlines()
+                if line.startswith("import time:")}
+    run.stderr = "".join(line for line in run.stderr.splitlines(keepends=True)
+                         if not line.startswith("import time:"))
+    return run, imported & HEAVY
+
+
+@pytest.mark.parametrize("tool, options", TABLE_TOOLS)
+def test_every_table_tool_refuses_a_saved_model_before_importing_torch(tool, options, tmp_path):
+    """Each tool's ``--table DIR``: the error, exit status 2, nothing written
+    or deleted, in a fraction of a second (the check comes before torch)."""
     save_a_model(tmp_path)
     before = directory_bytes(tmp_path)
-    main = importlib.import_module(f"ple_tools.{tool}").main
-    assert main(["--table", str(tmp_path), *options]) == 2
-    err = capsys.readouterr().err
-    assert err.endswith(
-        f"error: {foreign_files_message(tmp_path, ['model.safetensors', 'notes.txt'])}\n"), err
+    run, heavy = run_script(tool, ["--table", str(tmp_path), *options])
+    assert (run.returncode, run.stdout) == (2, ""), run.stderr
+    assert run.stderr == (
+        f"error: {foreign_files_message(tmp_path, ['model.safetensors', 'notes.txt'])}\n")
+    assert heavy == set()
     assert directory_bytes(tmp_path) == before
 
 
-def test_bench_transformers_refuses_a_saved_model(tmp_path, capsys):
+def record_of(tool: str, what: str, files: list[str]) -> str:
+    return json.dumps({"written_by": tool, "what": what, "complete": True, "files": files})
+
+
+def test_a_table_tool_names_a_checkpoint_another_tool_wrote(tmp_path):
+    """A directory of ple-bench-transformers' is no table: the error says
+    whose it is and what the tool writes, not that ple did not write it."""
+    (tmp_path / "model-small.safetensors").write_text("")
+    (tmp_path / "ple_bench.json").write_text(
+        record_of("ple-bench-transformers", "a checkpoint", ["model-small.safetensors"]))
+    (tmp_path / "notes.txt").write_text("")
+    before = directory_bytes(tmp_path)
+    run, heavy = run_script("ple-demo", ["--table", str(tmp_path)])
+    assert (run.returncode, run.stdout, heavy) == (2, "", set())
+    assert run.stderr == (
+        f"error: {tmp_path} holds a checkpoint that ple-bench-transformers wrote there (its "
+        "ple_bench.json lists the files), and 1 other file; ple writes a table only into a "
+        "missing or empty directory, or one holding a table that it wrote there itself (listed "
+        "in its layout.json), and deletes nothing else: name another directory\n")
+    assert directory_bytes(tmp_path) == before
+
+
+@pytest.mark.parametrize("tool, option, what, marker", [
+    ("ple-bench-transformers", "--dir", "a checkpoint", "ple_bench.json"),
+    ("ple-tiny-model", "--out", "the tiny model's tables", "ple_tiny_model.json")])
+def test_a_tool_names_a_table_ple_make_table_wrote(tool, option, what, marker, make_table,
+                                                    tmp_path):
+    make_table.ensure_table(tmp_path, **ARGUMENTS)
+    before = directory_bytes(tmp_path)
+    run, heavy = run_script(tool, [option, str(tmp_path)])
+    assert (run.returncode, run.stdout, heavy) == (2, "", set())
+    assert run.stderr == (
+        f"error: {tmp_path} holds a table that ple-make-table wrote there (its layout.json lists "
+        f"the files); ple writes {what} only into a missing or empty directory, or one holding "
+        f"{what} that it wrote there itself (listed in its {marker}), and deletes nothing else: "
+        "name another directory\n")
+    assert directory_bytes(tmp_path) == before
+
+
+def test_bench_transformers_refuses_a_saved_model(tmp_path):
     """``ple-bench-transformers --dir DIR`` writes its checkpoint by the same
     rule (its ple_bench.json lists the files)."""
-    from ple_tools import bench_transformers
-
     save_a_model(tmp_path)
     before = directory_bytes(tmp_path)
-    assert bench_transformers.main(["--dir", str(tmp_path), "--table-gib", "0.001"]) == 2
-    err = capsys.readouterr().err
+    run, heavy = run_script("ple-bench-transformers", ["--dir", str(tmp_path), "--table-gib",
+                                                       "0.001"])
+    assert (run.returncode, run.stdout, heavy) == (2, "", set())
     message = foreign_files_message(tmp_path, ["model.safetensors", "notes.txt"], "ple_bench.json")
-    assert err == f"error: {message}\n"
+    assert run.stderr == f"error: {message}\n"
     assert directory_bytes(tmp_path) == before
 
 

@@ -128,7 +128,7 @@ from ple_tools.argtypes import (MAX_ROW_CACHE_MIB, InputFile, OutputFile, lookah
                                 milliseconds, non_negative_int, positive_int,
                                 refuse_over_memory, row_cache_mib_list, seconds)
 from ple_tools.figures import add_json_option, parse_with_defaults, run_recorded
-from ple_tools.make_table import refuse_table
+from ple_tools.make_table import refuse_directory, refuse_table
 
 MiB = 2**20
 # Flash-Next's n-gram hashing (vocab, EOS, 3-grams of 8 heads, seed 1234): PLE layer 0.
@@ -820,6 +820,7 @@ def refuse_run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
     largest_cache = max(map(cache_mib, arms), default=0)
     refuse_over_memory(parser, "--caches", largest_cache * MiB,
                        f"a row cache of {largest_cache:,} MiB")
+    refuse_directory(parser, args.table, "--table")
     import torch  # the arguments are good so far
 
     if args.device == "cuda" and not torch.cuda.is_available():

@@ -103,11 +103,12 @@ WRITER_BYTES = 256 << 20
 
 class LayoutError(ValueError):
     """A table no run can write or open: ``what`` says which of its
-    arguments to change ("shards", "files" or "size")."""
+    arguments to change ("shards", "files" or "size"), ``fact`` what is
+    wrong, and ``advice`` (or None) how to change the shards and files."""
 
-    def __init__(self, what: str, message: str):
-        super().__init__(message)
-        self.what = what
+    def __init__(self, what: str, fact: str, advice: str | None = None):
+        super().__init__(fact if advice is None else f"{fact}: {advice}")
+        self.what, self.fact = what, fact
 
 
 def _per_shard(rows: int, shards: int) -> int:
@@ -155,10 +156,11 @@ def check_layout(*, rows: int, row_bytes: int, shards: int, files: int, **_) -> 
                           "file holds one shard at least")
     header = _header_bytes(rows, row_bytes, shards, files)
     if header > MAX_HEADER_BYTES:
-        raise LayoutError("shards", f"{shards:,} shards over {files:,} files make a safetensors "
+        raise LayoutError("shards", f"{shards:,} shards over {files:,} "
+                          f"file{'' if files == 1 else 's'} make a safetensors "
                           f"header of up to {size(header)} in a file, more than the "
-                          f"{size(MAX_HEADER_BYTES)} that ple reads: ask for fewer shards or more "
-                          "files")
+                          f"{size(MAX_HEADER_BYTES)} that ple reads",
+                          "ask for fewer shards or more files")
 
 
 def check_memory(*, rows: int, row_bytes: int, shards: int, files: int, **_) -> None:
@@ -171,8 +173,9 @@ def check_memory(*, rows: int, row_bytes: int, shards: int, files: int, **_) -> 
         raise LayoutError(
             "shards" if more_shards else "files",
             f"writing a file of the table takes up to {size(need)} of memory (its rows are made "
-            f"whole before it is written), more than this machine's {size(memory)}: ask for more "
-            + ("shards, and files to spread them over" if more_shards else "files"))
+            f"whole before it is written), more than this machine's {size(memory)}",
+            "ask for more shards, and files to spread them over" if more_shards
+            else "ask for more files")
 
 
 def table_bytes(*, rows: int, row_bytes: int, shards: int, files: int, **_) -> int:
@@ -320,6 +323,18 @@ def ensure_table(directory: Path, *, rows: int, row_bytes: int = 160, shards: in
     written.finish(marker, TOOL, names, what=WHAT, layout=layout)
 
 
+def refuse_directory(parser: argparse.ArgumentParser, directory: Path, option: str) -> None:
+    """The part of refuse_table that needs no layout, for a tool that
+    imports torch to know its table's rows: a directory holding files the
+    table tools did not write, or a path that is a file."""
+    marker = directory / LAYOUT_FILE
+    try:
+        written.refuse_foreign(directory, marker, written.read_record(marker, TOOL, _legacy_record),
+                               WHAT)
+    except written.DirectoryError as error:
+        written.refuse_on_command_line(parser, error, option, option)
+
+
 def refuse_table(parser: argparse.ArgumentParser, directory: Path, *, options: dict[str, str],
                  rows: int, row_bytes: int = 160, shards: int = 8, files: int = 4,
                  seed: int = 0) -> None:
@@ -336,7 +351,9 @@ def refuse_table(parser: argparse.ArgumentParser, directory: Path, *, options: d
     except written.DirectoryError as error:
         written.refuse_on_command_line(parser, error, options["directory"], options["size"])
     except LayoutError as error:
-        parser.error(f"argument {options.get(error.what, options['size'])}: {error}")
+        if error.what in options:
+            parser.error(f"argument {options[error.what]}: {error}")
+        parser.error(f"argument {options['size']}: {error.fact}: ask for a smaller table")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
