@@ -84,8 +84,12 @@ ratios over the first chunks that they all finished, as not the goals.
 
 Per arm: time (total, forwards, compute, per chunk), distinct pages the
 gathers touched (summed over chunks: Table.stats' unique_pages) against the
-prompt's distinct pages, bytes read from disk (/proc/self/io), major faults,
-row-cache hits, prefetch hits (docs/counters.md), the SHA-256 of the
+prompt's distinct pages, bytes read from disk (/proc/self/io: the whole
+process's, its libraries' too), major faults, row-cache hits, prefetch hits
+(docs/counters.md), in the JSON document the bytes of the table's pages
+that the arm brought into the page cache (``table_cached_bytes``: mincore
+of the table's files before and after the arm; direct reads bypass it, and
+a page read and evicted again is not counted), the SHA-256 of the
 output rows (bf16, in prompt order), and under --memory-limit the cgroup's
 peak and the seconds its tasks stalled on memory (PSI: reclaim, and
 memory.high's throttling, which can hold a task for up to 2 s).  Every
@@ -528,13 +532,14 @@ def run_arm_child(args, arm: str, index: int, paths, tokens_path: Path) -> dict:
     result, or the error or timeout with the chunks done."""
     from ple_tools.arm_child import run_child
     from ple_tools.cgroup import MemoryCgroup
-    from ple_tools.gather_arms import drop_files
+    from ple_tools.gather_arms import cached_bytes, drop_files
 
     group = None
     if args.memory_limit is not None:
         group = MemoryCgroup(f"ple-bench-{os.getpid()}-{index}", args.memory_limit + cache_mib(arm))
     try:
         drop_files(paths)  # this process maps nothing of the table
+        cached_before = cached_bytes(paths)  # all of it on a filesystem that cannot drop
         spec = {"arm": arm, "table": str(args.table), "tokens_path": str(tokens_path),
                 "ngram_base": args.ngram_base, "chunk": args.chunk,
                 "compute_ms": args.compute_ms, "device": args.device,
@@ -545,17 +550,20 @@ def run_arm_child(args, arm: str, index: int, paths, tokens_path: Path) -> dict:
                 "cgroup_version": group.version if group else None,
                 "limit": group.limit if group else None, "ballast": args.ballast * MiB}
         run = run_child("ple_tools.bench_prefill", spec, args.deadline)
+        # The table's bytes that the arm brought into the page cache: its reads
+        # of the table through it, whatever else the process read.
+        table_cached = {"table_cached_bytes": max(0, cached_bytes(paths) - cached_before)}
         chunks = [line for line in run.lines if "chunk" in line]
         result = next((line["result"] for line in run.lines if "result" in line), None)
         if result is not None and run.code == 0:
             result["per_chunk_s"] = chunk_seconds(chunks)
-            return result
+            return {**result, **table_cached}
         if run.timed_out:
-            return timed_out_record(arm, args.deadline, chunks)
+            return {**timed_out_record(arm, args.deadline, chunks), **table_cached}
         kills = group.oom_kills() if group else 0
         return {"arm": arm, "error": f"the child exited with {run.code}"
                 + (f" ({kills} OOM kill(s) in its cgroup)" if kills else ""),
-                "chunks_done": len(chunks)}
+                "chunks_done": len(chunks), **table_cached}
     finally:
         if group is not None:
             group.remove()
