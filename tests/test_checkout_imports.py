@@ -3,10 +3,11 @@ demo`` leaves a user and ``python -m pytest`` runs) finds the packages named
 like its folders kernels/, ops/, layers/ and tools/ wherever they are
 installed, Hugging Face's ``kernels`` among them, which transformers'
 models import (they import in the root with it installed, without it, and
-beside a ``kernels`` of the user's, on whatever transformers runs them); and Python started in the folder that holds a checkout named
-``ple`` imports the installed ple, not the checkout's top folder.  ple's own
-names stay where they were: ``ple.kernels``, ``ple.ops``, ``ple.layers``
-(with its layers by name) and ``ple_tools``."""
+beside a ``kernels`` of the user's, on whatever transformers runs them);
+and Python started in the folder that holds a checkout named ``ple``
+imports the installed ple, not the checkout's top folder.  ple's own names
+stay where they were: ``ple.kernels``, ``ple.ops``, ``ple.layers`` (with
+its layers by name) and ``ple_tools``."""
 
 from __future__ import annotations
 
