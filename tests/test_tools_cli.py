@@ -401,6 +401,13 @@ BEYOND_TYPES = [
      "machine's 16.0 GiB: ask for a smaller table"),
     ("ple-bench-tensor-parallel", ["--device", "cpu", "--mib", "1e12"], "argument --mib: a table "
      "of 931.3 PiB does not fit in data/tp_bench_table: its filesystem has 100.0 GiB free"),
+    ("ple-bench-tensor-parallel", ["--device", "cpu", "--world-size", "100"], "argument "
+     "--world-size: 100 ranks (a process with torch each) takes 50.0 GiB of memory, more than "
+     "this machine's 16.0 GiB"),
+    ("ple-bench-prefill", ["--quick", "--device", "cpu", "--model-layers", "3", "--model-hidden",
+                           "100000"], "argument --model-hidden: a model of 3 layers, 100,000 "
+     "wide, 64 experts (its bfloat16 weights) takes 3.3 TiB of memory, more than this "
+     "machine's 16.0 GiB"),
     ("ple-bench-prefill", ["--ngram-base", str(10**15)], "argument --ngram-base: a table of "
      "2.2 EiB does not fit in data/bench_prefill: its filesystem has 100.0 GiB free"),
     ("ple-bench-prefill", ["--quick", "--arms", "window,nothing"], "argument --arms: unknown arm "

@@ -130,7 +130,7 @@ from pathlib import Path
 
 from ple_tools.argtypes import (MAX_ROW_CACHE_MIB, InputFile, OutputFile, lookahead_mib,
                                 milliseconds, non_negative_int, positive_int,
-                                refuse_over_memory, row_cache_mib_list, seconds)
+                                refuse_over_memory, row_cache_mib_list, seconds, size)
 from ple_tools.figures import add_json_option, parse_with_defaults, run_recorded
 from ple_tools.make_table import refuse_directory, refuse_table
 
@@ -809,6 +809,38 @@ def known_arm(arm: str) -> bool:
     return not colon and reader in (WINDOW, "all", "direct")
 
 
+def refuse_model(parser: argparse.ArgumentParser, args: argparse.Namespace, device: str) -> None:
+    """--model-layers' checks: a transformers with Qwen4Exp, a config it
+    takes, and the model's bfloat16 weights within the device's memory."""
+    import torch
+
+    try:
+        from transformers import Qwen4ExpForCausalLM
+    except ImportError:
+        import transformers
+
+        parser.error(f"argument --model-layers: transformers {transformers.__version__} has no "
+                     "Qwen4Exp")
+    from ple_tools import prefill_model
+
+    try:  # the compute arm's model: the others' table is served, not held
+        config = prefill_model.flash_next_config(
+            layers=args.model_layers, experts=args.model_experts, hidden=args.model_hidden,
+            hashing=FLASH_NEXT, base=1000, shards=args.shards)
+    except Exception as error:  # transformers' config checks raise several kinds
+        parser.error(f"argument --model-hidden: transformers' Qwen4ExpTextConfig refuses "
+                     f"{args.model_hidden} wide, {args.model_experts} experts: {error}")
+    with torch.device("meta"):
+        weights = 2 * sum(p.numel() for p in Qwen4ExpForCausalLM(config).parameters())
+    what = (f"a model of {args.model_layers} layers, {args.model_hidden:,} wide, "
+            f"{args.model_experts:,} experts (its bfloat16 weights)")
+    if device != "cuda":
+        refuse_over_memory(parser, "--model-hidden", weights, what)
+    elif weights > torch.cuda.get_device_properties(0).total_memory:
+        parser.error(f"argument --model-hidden: {what} takes {size(weights)}, more than the GPU's "
+                     f"{size(torch.cuda.get_device_properties(0).total_memory)}")
+
+
 def refuse_run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """The checks of the arguments together, before anything is written:
     the arms, the model, the device, the memory and the table."""
@@ -833,6 +865,8 @@ def refuse_run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
 
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error(f"argument --device: cuda, and torch {torch.__version__} sees no CUDA device")
+    if args.model_layers:
+        refuse_model(parser, args, args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     refuse_table(parser, args.table, rows=hashing_of(args.ngram_base).padded_rows(PAD_TO),
                  row_bytes=160, shards=args.shards, files=args.files,
                  options={"directory": "--table", "size": "--ngram-base", "shards": "--shards",

@@ -33,13 +33,15 @@ import tempfile
 from pathlib import Path
 
 from ple_tools.argtypes import (fraction_pair, non_negative_int, positive_float, positive_int,
-                                refuse_empty_table, seconds)
+                                refuse_empty_table, refuse_over_memory, seconds)
 from ple_tools.figures import add_json_option, run_recorded
 from ple_tools.make_table import refuse_table
 
 ROW_BYTES = 160
 SIZES = (16, 32768)  # a decode step, a prefill chunk (2,048 tokens of 16 heads)
 ARMS = ("disk", "tiers")
+# What a rank's process takes besides the table: Python, torch, the process group.
+RANK_BYTES = 512 << 20
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -81,9 +83,13 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def refuse_launch(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """The launcher's checks: the table, and the GPUs its ranks take."""
+    """The launcher's checks: the table, the ranks' processes, and the GPUs
+    they take."""
     refuse_table(parser, args.table, rows=int(args.mib * 2**20) // ROW_BYTES, row_bytes=ROW_BYTES,
                  shards=1, files=1, options={"directory": "--table", "size": "--mib"})
+    if args.world_size is not None:
+        refuse_over_memory(parser, "--world-size", args.world_size * RANK_BYTES,
+                           f"{args.world_size:,} ranks (a process with torch each)")
     if args.device != "cuda":
         return
     import torch  # the arguments are good so far
