@@ -304,6 +304,7 @@ def test_the_limits_of_argtypes_are_the_library_s():
     """ple_tools.argtypes spells out the library's limits so that a tool
     refuses a value before it imports torch: they must be the library's."""
     import ple
+    from ple.kernels.native import native
     from ple.layers import lookahead
     from ple.safetensors_header import MAX_HEADER_BYTES
 
@@ -314,6 +315,7 @@ def test_the_limits_of_argtypes_are_the_library_s():
         "threads": (1, argtypes.MAX_THREADS), "row_cache_mib": (0, argtypes.MAX_ROW_CACHE_MIB),
         "io_queue_depth": (1, argtypes.MAX_IO_QUEUE_DEPTH),
         "io_block_bytes": (0, argtypes.MAX_IO_BLOCK_BYTES)}
+    assert native.MAX_THREADS == argtypes.MAX_THREADS
     assert ple.config.POLICIES == argtypes.POLICIES
     assert lookahead.MOST_BYTES == argtypes.MAX_LOOKAHEAD_MIB << 20
     assert make_table.MAX_HEADER_BYTES == MAX_HEADER_BYTES

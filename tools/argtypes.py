@@ -220,6 +220,8 @@ def unwritable(path: Path, *, directory: bool) -> str | None:
         return f"{path} is not a directory"
     if not directory and path.is_dir():
         return f"{path} is a directory, not a file"
+    if not directory and path.exists() and not os.access(path, os.W_OK):
+        return f"{path} cannot be written by this user"
     parent = existing_ancestor(path if directory else path.parent)
     if not parent.is_dir():
         return f"{parent} is not a directory, so nothing can be made under it"

@@ -10,7 +10,10 @@ arguments is reused, and the tool says so; one that holds a table written
 with others, or cut short, is written again.  A directory holding any file
 that the table tools did not write (a model's ``model.safetensors``, say) is
 refused before anything in it is deleted or written: they delete only the
-files their ``layout.json`` lists.
+files their ``layout.json`` lists.  So is, before anything is written, a
+table that no run can write or open: more shards than rows, more files than
+shards, a header larger than ple reads, more bytes than the disk has room
+for, or a file larger than the machine's memory can make.
 """
 
 from __future__ import annotations
