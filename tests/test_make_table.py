@@ -314,3 +314,17 @@ def test_bench_transformers_reuses_an_older_checkpoint(tmp_path):
         bench_transformers.ensure_checkpoint(tmp_path, 1000.0, torch.bfloat16, 1)
     assert str(error.value) == foreign_files_message(tmp_path, ["model.safetensors"],
                                                      "ple_bench.json")
+
+
+@pytest.mark.parametrize("layout, what", [
+    ({"rows": 10, "shards": 11, "files": 1}, "shards"),
+    ({"rows": 10, "shards": 2, "files": 3}, "files"),
+    ({"rows": 10**15, "row_bytes": 1, "shards": 10**7, "files": 1}, "shards")])
+def test_ensure_table_refuses_a_table_it_cannot_write_before_writing(make_table, layout, what,
+                                                                      tmp_path):
+    """ensure_table itself, as the tools call it once their arguments pass:
+    the same checks (tests/test_tools_cli.py has their messages)."""
+    with pytest.raises(make_table.LayoutError) as error:
+        make_table.ensure_table(tmp_path / "table", **{"row_bytes": 16, **layout})
+    assert error.value.what == what
+    assert not (tmp_path / "table").exists() and make_table.writes == []
