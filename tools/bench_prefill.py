@@ -815,10 +815,14 @@ def refuse_model(parser: argparse.ArgumentParser, args: argparse.Namespace, devi
     import torch
 
     try:
+        import transformers
+    except ImportError:
+        parser.error("argument --model-layers: the model is transformers' Qwen4Exp, and "
+                     "transformers is not installed (pip install --no-build-isolation "
+                     "'.[transformers]')")
+    try:
         from transformers import Qwen4ExpForCausalLM
     except ImportError:
-        import transformers
-
         parser.error(f"argument --model-layers: transformers {transformers.__version__} has no "
                      "Qwen4Exp")
     from ple_tools import prefill_model

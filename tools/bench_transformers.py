@@ -38,6 +38,7 @@ the same tokens.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import shutil
@@ -411,6 +412,15 @@ def gib(value: float) -> str:
     return f"{value / 2**30:.2f}"
 
 
+def has_qwen4exp() -> bool:
+    """Whether this Python's transformers has Qwen4Exp (finding it imports
+    transformers' package, not its models)."""
+    try:
+        return importlib.util.find_spec("transformers.models.qwen4_exp") is not None
+    except ModuleNotFoundError:  # no transformers
+        return False
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -452,6 +462,11 @@ def main(argv=None) -> int:
                                 args.ple_layers)
         except written.DirectoryError as error:
             written.refuse_on_command_line(parser, error, "--dir", "--table-gib")
+        if not has_qwen4exp():
+            print(f"error: ple-bench-transformers runs transformers' Qwen4Exp, which "
+                  f"{sys.executable} does not have: install a transformers that has it "
+                  "(pip install --no-build-isolation '.[transformers]')", file=sys.stderr)
+            return 2
     if args.child:
         print(json.dumps(run_arm(json.loads(args.child))))
         return 0
