@@ -226,7 +226,10 @@ def test_through_a_model_lookahead_gives_the_same_first_token(quick, tokens_file
         arms["lookahead-direct-cache:16"]["sha256"]
     assert arms["reads"]["sha256"] == arms["reads-direct-cache:16"]["sha256"]
     assert arms["window"]["output"] == "first token" and arms["reads"]["output"] == "rows"
-    assert arms["compute"]["pages"] is None and arms["compute"]["read_bytes"] < 2**20
+    # The compute arm reads none of the table: no page of its files came into
+    # the page cache (whatever else the process read again under memory
+    # pressure, its libraries say).
+    assert arms["compute"]["pages"] is None and arms["compute"]["table_cached_bytes"] == 0
     assert arms["window"]["pages"] > 0 and arms["window"]["prefetch_hits"] == 0
     # Every chunk's rows were read ahead, through either reader.
     assert arms["lookahead"]["prefetch_hits"] == arms["lookahead-direct-cache:16"]["prefetch_hits"] == 3

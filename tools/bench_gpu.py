@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING
 
 from ple_tools.argtypes import positive_float, positive_int, refuse_empty_table
 from ple_tools.figures import add_json_option, run_recorded
+from ple_tools.make_table import refuse_table
 
 if TYPE_CHECKING:  # for annotations; imported after parsing
     import torch
@@ -382,6 +383,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     add_json_option(parser)
     args = parser.parse_args(argv)
     refuse_empty_table(parser, "--mib", args.mib * 2**20, ROW_BYTES)
+    refuse_table(parser, args.table, rows=int(args.mib * 2**20) // ROW_BYTES, row_bytes=ROW_BYTES,
+                 shards=1, files=1, options={"directory": "--table", "size": "--mib"})
     return args
 
 

@@ -99,8 +99,12 @@ threads were runnable than the CPUs it may use.
 Per arm: time (total, forwards, compute, per chunk: the median, the first
 and the largest), the warm-up's time, distinct pages the
 gathers touched (summed over chunks: Table.stats' unique_pages) against the
-prompt's distinct pages, bytes read from disk (/proc/self/io), major faults,
-row-cache hits, prefetch hits (docs/counters.md), the SHA-256 of the
+prompt's distinct pages, bytes read from disk (/proc/self/io: the whole
+process's, its libraries' too), major faults, row-cache hits, prefetch hits
+(docs/counters.md), in the JSON document the bytes of the table's pages
+that the arm brought into the page cache (``table_cached_bytes``: mincore
+of the table's files before and after the arm; direct reads bypass it, and
+a page read and evicted again is not counted), the SHA-256 of the
 output rows (bf16, in prompt order), and under --memory-limit the cgroup's
 peak and the seconds its tasks stalled on memory (PSI: reclaim, and
 memory.high's throttling, which can hold a task for up to 2 s).  Every
@@ -139,9 +143,11 @@ import tempfile
 import time
 from pathlib import Path
 
-from ple_tools.argtypes import (non_negative_float, non_negative_int, positive_float, positive_int,
-                                positive_int_list)
+from ple_tools.argtypes import (MAX_ROW_CACHE_MIB, InputFile, OutputFile, lookahead_mib,
+                                milliseconds, non_negative_int, positive_int,
+                                refuse_over_memory, row_cache_mib_list, seconds, size)
 from ple_tools.figures import add_json_option, parse_with_defaults, run_recorded
+from ple_tools.make_table import refuse_directory, refuse_table
 
 MiB = 2**20
 # Flash-Next's n-gram hashing (vocab, EOS, 3-grams of 8 heads, seed 1234): PLE layer 0.
@@ -620,7 +626,7 @@ def run_arm_child(args, arm: str, index: int, paths, tokens_path: Path, warm_tab
     --thread-profile, its threads' CPU by phase."""
     from ple_tools.arm_child import run_child
     from ple_tools.cgroup import MemoryCgroup
-    from ple_tools.gather_arms import drop_files
+    from ple_tools.gather_arms import cached_bytes, drop_files
     from ple_tools.thread_profile import ThreadSampler, attribute
 
     group = None
@@ -628,6 +634,7 @@ def run_arm_child(args, arm: str, index: int, paths, tokens_path: Path, warm_tab
         group = MemoryCgroup(f"ple-bench-{os.getpid()}-{index}", args.memory_limit + cache_mib(arm))
     try:
         drop_files(paths)  # this process maps nothing of the table
+        cached_before = cached_bytes(paths)  # all of it on a filesystem that cannot drop
         spec = {"arm": arm, "table": str(args.table), "tokens_path": str(tokens_path),
                 "ngram_base": args.ngram_base, "chunk": args.chunk,
                 "compute_ms": args.compute_ms, "device": args.device,
@@ -640,19 +647,22 @@ def run_arm_child(args, arm: str, index: int, paths, tokens_path: Path, warm_tab
                 "warm_table": str(warm_table), "thread_profile": args.thread_profile}
         sampler = ThreadSampler() if args.thread_profile else None
         run = run_child("ple_tools.bench_prefill", spec, args.deadline, sampler)
+        # The table's bytes that the arm brought into the page cache: its reads
+        # of the table through it, whatever else the process read.
+        table_cached = {"table_cached_bytes": max(0, cached_bytes(paths) - cached_before)}
         chunks = [line for line in run.lines if "chunk" in line]
         result = next((line["result"] for line in run.lines if "result" in line), None)
         if result is not None and run.code == 0:
             result["per_chunk_s"] = chunk_seconds(chunks)
             if sampler is not None:
                 result["thread_profile"] = attribute(sampler, chunk_phases(chunks))
-            return result
+            return {**result, **table_cached}
         if run.timed_out:
-            return timed_out_record(arm, args.deadline, chunks)
+            return {**timed_out_record(arm, args.deadline, chunks), **table_cached}
         kills = group.oom_kills() if group else 0
         return {"arm": arm, "error": f"the child exited with {run.code}"
                 + (f" ({kills} OOM kill(s) in its cgroup)" if kills else ""),
-                "chunks_done": len(chunks)}
+                "chunks_done": len(chunks), **table_cached}
     finally:
         if group is not None:
             group.remove()
@@ -875,23 +885,24 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="prompt tokens: the first N of the text (default 184134; --quick 8192)")
     parser.add_argument("--chunk", type=positive_int, default=2048,
                         help="tokens a chunk (default 2048)")
-    parser.add_argument("--text", type=Path, help="a UTF-8 text file to tokenize (default: "
-                        "this Python's documentation)")
-    parser.add_argument("--tokens", type=Path,
+    parser.add_argument("--text", action=InputFile, help="a UTF-8 text file to tokenize "
+                        "(default: this Python's documentation)")
+    parser.add_argument("--tokens", action=InputFile,
                         help="a .npy of token ids to use instead of tokenizing a text")
-    parser.add_argument("--ranks", type=Path, help="GPT-2's gpt2.tiktoken (default "
+    parser.add_argument("--ranks", action=InputFile, help="GPT-2's gpt2.tiktoken (default "
                         f"{RANKS_CACHE}, downloaded there when missing)")
-    parser.add_argument("--save-text", type=Path, metavar="PATH", help="write the text used")
-    parser.add_argument("--save-tokens", type=Path, metavar="PATH",
+    parser.add_argument("--save-text", action=OutputFile, metavar="PATH",
+                        help="write the text used")
+    parser.add_argument("--save-tokens", action=OutputFile, metavar="PATH",
                         help="write the prompt's tokens (.npy)")
     parser.add_argument("--arms", help="arms to run, comma separated (default: window, all, "
                         "direct, direct-cache:MiB per --caches, lookahead)")
-    parser.add_argument("--caches", type=positive_int_list,
+    parser.add_argument("--caches", type=row_cache_mib_list,
                         help="MiB of the direct-cache arms, comma separated "
                         "(default 512; --quick 16)")
-    parser.add_argument("--lookahead-mib", type=positive_int, default=64,
+    parser.add_argument("--lookahead-mib", type=lookahead_mib, default=64,
                         help="the lookahead arm's bound on rows read ahead (default 64)")
-    parser.add_argument("--compute-ms", type=non_negative_float, default=0.0, metavar="N",
+    parser.add_argument("--compute-ms", type=milliseconds, default=0.0, metavar="N",
                         help="busy compute after each chunk, ms (default 0: none)")
     parser.add_argument("--model-layers", type=non_negative_int, default=0, metavar="N",
                         help="run the arms through a Qwen4Exp-shaped model of N (3 or more) "
@@ -909,7 +920,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "the row cache of a direct-cache arm; needs root or a delegated cgroup)")
     parser.add_argument("--ballast", type=non_negative_int, default=0, metavar="MiB",
                         help="touched anonymous memory each child holds in its cgroup")
-    parser.add_argument("--deadline", type=positive_float, metavar="S",
+    parser.add_argument("--deadline", type=seconds, metavar="S",
                         help="an arm still running after S seconds is killed and reported as "
                         "timed out (default 300; --quick 120)")
     parser.add_argument("--thread-profile", action="store_true",
@@ -918,7 +929,93 @@ def parse_args(argv=None) -> argparse.Namespace:
     add_json_option(parser)
     parser.add_argument("--quick", action="store_true", help="a small run for CI (see below)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
-    return parse_with_defaults(parser, argv, DEFAULTS, QUICK)
+    args = parse_with_defaults(parser, argv, DEFAULTS, QUICK)
+    if not args.child:
+        refuse_run(parser, args)
+    return args
+
+
+# What a prompt token takes in the parent: its id, its 16 row ids, their pages.
+TOKEN_BYTES = 256
+
+
+def known_arm(arm: str) -> bool:
+    """Whether ``arm`` names an arm (arm_config's, without importing ple)."""
+    _, reader = split_arm(arm)
+    if reader is None:
+        return True
+    kind, colon, mib = reader.partition(":")
+    if kind == "direct-cache":
+        return mib.isdigit() and len(mib) < 20 and int(mib) <= MAX_ROW_CACHE_MIB
+    return not colon and reader in (WINDOW, "all", "direct")
+
+
+def refuse_model(parser: argparse.ArgumentParser, args: argparse.Namespace, device: str) -> None:
+    """--model-layers' checks: a transformers with Qwen4Exp, a config it
+    takes, and the model's bfloat16 weights within the device's memory."""
+    import torch
+
+    try:
+        import transformers
+    except ImportError:
+        parser.error("argument --model-layers: the model is transformers' Qwen4Exp, and "
+                     "transformers is not installed (pip install --no-build-isolation "
+                     "'.[transformers]')")
+    try:
+        from transformers import Qwen4ExpForCausalLM
+    except ImportError:
+        parser.error(f"argument --model-layers: transformers {transformers.__version__} has no "
+                     "Qwen4Exp")
+    from ple_tools import prefill_model
+
+    try:  # the compute arm's model: the others' table is served, not held
+        config = prefill_model.flash_next_config(
+            layers=args.model_layers, experts=args.model_experts, hidden=args.model_hidden,
+            hashing=FLASH_NEXT, base=1000, shards=args.shards)
+    except Exception as error:  # transformers' config checks raise several kinds
+        parser.error(f"argument --model-hidden: transformers' Qwen4ExpTextConfig refuses "
+                     f"{args.model_hidden} wide, {args.model_experts} experts: {error}")
+    with torch.device("meta"):
+        weights = 2 * sum(p.numel() for p in Qwen4ExpForCausalLM(config).parameters())
+    what = (f"a model of {args.model_layers} layers, {args.model_hidden:,} wide, "
+            f"{args.model_experts:,} experts (its bfloat16 weights)")
+    if device != "cuda":
+        refuse_over_memory(parser, "--model-hidden", weights, what)
+    elif weights > torch.cuda.get_device_properties(0).total_memory:
+        parser.error(f"argument --model-hidden: {what} takes {size(weights)}, more than the GPU's "
+                     f"{size(torch.cuda.get_device_properties(0).total_memory)}")
+
+
+def refuse_run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """The checks of the arguments together, before anything is written:
+    the arms, the model, the device, the memory and the table."""
+    arms = default_arms(args)
+    unknown = [arm for arm in arms if not known_arm(arm)]
+    if unknown:
+        parser.error(f"argument --arms: unknown arm {unknown[0]!r}: arms are window, all, direct, "
+                     "direct-cache:MiB, lookahead and lookahead-<arm>, and with --model-layers "
+                     "compute, reads and reads-<arm>")
+    if args.model_layers and args.model_layers < 3:
+        parser.error("argument --model-layers: 3 or more (the PLE layer is decoder layer 2, and a "
+                     "full-attention layer must follow)")
+    if not args.model_layers and COMPUTE in arms:
+        parser.error("argument --arms: the compute arm needs --model-layers")
+    refuse_over_memory(parser, "--tokens-count", args.tokens_count * TOKEN_BYTES,
+                       f"a prompt of {args.tokens_count:,} tokens")
+    largest_cache = max(map(cache_mib, arms), default=0)
+    refuse_over_memory(parser, "--caches", largest_cache * MiB,
+                       f"a row cache of {largest_cache:,} MiB")
+    refuse_directory(parser, args.table, "--table")
+    import torch  # the arguments are good so far
+
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error(f"argument --device: cuda, and torch {torch.__version__} sees no CUDA device")
+    if args.model_layers:
+        refuse_model(parser, args, args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    refuse_table(parser, args.table, rows=hashing_of(args.ngram_base).padded_rows(PAD_TO),
+                 row_bytes=160, shards=args.shards, files=args.files,
+                 options={"directory": "--table", "size": "--ngram-base", "shards": "--shards",
+                          "files": "--files"})
 
 
 def default_arms(args) -> list[str]:
@@ -950,19 +1047,6 @@ def run(args) -> tuple[int, dict | None]:
     if args.device is None:
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     arms = default_arms(args)
-    for arm in arms:
-        try:
-            arm_config(arm)
-        except (KeyError, ValueError):
-            print(f"error: unknown arm {arm!r}", file=sys.stderr)
-            return 2, None
-    if args.model_layers and args.model_layers < 3:
-        print("error: --model-layers must be 3 or more (the PLE layer is decoder layer 2, "
-              "and a full-attention layer must follow)", file=sys.stderr)
-        return 2, None
-    if not args.model_layers and COMPUTE in arms:
-        print("error: the compute arm needs --model-layers", file=sys.stderr)
-        return 2, None
     if any(map(looks_ahead, arms)) and not lookahead_available():
         print("lookahead: not available (this ple's NGramEmbedding has no lookahead()); "
               "its arms are left out", file=sys.stderr)
