@@ -490,7 +490,10 @@ OUTPUTS = {
     "ple-bench-transformers": [("--dir", True), ("--offload-dir", True), ("--json", False)],
     "ple-bench-vllm": [("--dir", True), ("--json", False)],
     "ple-tiny-model": [("--out", True)],
+    "ple-quantize-table": [("output", False)],
 }
+# The positional arguments before a tool's positional output.
+BEFORE = {"ple-quantize-table": ["checkpoint"]}
 # The arguments that keep a tool's other checks quiet (a small table, the CPU).
 QUIET = {"ple-bench-gather": ["--quick"], "ple-bench-prefill": ["--quick", "--device", "cpu"],
          "ple-bench-tensor-parallel": ["--device", "cpu"]}
@@ -512,12 +515,13 @@ def test_a_path_nothing_can_be_written_under_is_refused_before_writing(
     for path, reason in [("afile/sub", f"{tmp_path / 'afile'} is not a directory, so nothing "
                           "can be made under it"),
                          ("/proc/ple-probe/sub", "no file can be written in /proc (")]:
-        arguments = [path] if option == "directory" else [option, path]
+        arguments = ([*BEFORE.get(name, []), path] if not option.startswith("--")
+                     else [option, path])
         line = refused(name, [*arguments, *QUIET.get(name, [])], monkeypatch, capsys)
         assert line.startswith(f"argument {option}: {reason}"), line
     assert [p.name for p in tmp_path.iterdir()] == ["afile"]
     assert (tmp_path / "afile").read_text() == "mine\n"
     if directory:  # and a file where the directory would be
-        line = refused(name, [*([] if option == "directory" else [option]), "afile",
+        line = refused(name, [*([] if not option.startswith("--") else [option]), "afile",
                               *QUIET.get(name, [])], monkeypatch, capsys)
         assert line.startswith(f"argument {option}: afile is not a directory"), line
