@@ -1,6 +1,12 @@
 # Two commands on a fresh machine (Python 3.11, no torch):
-#   make demo   sets up .venv and runs the main job (tools/demo.py)
-#   make test   sets up .venv and runs the whole test suite
+#   make demo   sets up .venv (3 to 6 minutes on 2 cores the first time, a
+#               line per step) and runs the main job (tools/demo.py, under
+#               a minute)
+#   make test   sets up .venv and runs the whole test suite (about 25
+#               minutes on 2 busy cores)
+# and a shorter one:
+#   make test-quick   the tests not marked slow (the compiles, builds and
+#                     subprocesses of tens of seconds): about 15 minutes
 # and one for the supported torch range (.ci/run runs it after `make test`):
 #   make test-torch-range   the not-slow tests against the oldest supported
 #                           torch and the newest pip installs here, each in
@@ -30,22 +36,44 @@ BUILD_INPUTS := Makefile setup.py pyproject.toml kernels/build_flags.py \
 	$(wildcard kernels/*.cpp kernels/*.h) \
 	$(wildcard $(VENV)/lib/python*/site-packages/torch/version.py)
 
-.PHONY: demo test setup test-torch-range test-vllm
+# pytest's options for a run that takes minutes: -q, a dot a test; the
+# suite's conftest.py names each failure the moment it happens, so that a
+# newcomer sees it without waiting for the end, and the run goes on (no -x:
+# one failure should not hide the others); --tb=short keeps each traceback
+# at the end to the lines that matter, and -rfE lists every failure and
+# error again, last, where the run ends.
+PYTEST_FLAGS := -q --tb=short -rfE
+
+.PHONY: demo test test-quick setup test-torch-range test-vllm
 demo: setup
 	$(PY) tools/demo.py $(ARGS)
 
 test: setup
-	$(PY) -m pytest -q $(ARGS)
+	$(PY) -m pytest $(PYTEST_FLAGS) $(ARGS)
+
+test-quick: setup
+	$(PY) -m pytest $(PYTEST_FLAGS) -m "not slow" $(ARGS)
 
 setup: $(VENV)/.installed
 
+# A line before each step: the first setup is minutes of quiet pip installs
+# and a C++ build.
 $(VENV)/.installed: $(BUILD_INPUTS)
-	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	if [ "$(TORCH_PIN)" = 1 ] || ! $(PY) -c "import torch" 2>/dev/null; then \
-		$(PY) -m pip install -q "$(TORCH_SPEC)"; fi
+	@echo "setup 1/4: a virtual environment in $(VENV) (seconds)"
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@if [ "$(TORCH_PIN)" = 1 ] || ! $(PY) -c "import torch" 2>/dev/null; then \
+		echo "setup 2/4: $(TORCH_SPEC), hundreds of MB (about a minute)"; \
+		$(PY) -m pip install -q "$(TORCH_SPEC)"; \
+	else echo "setup 2/4: torch is in $(VENV) already"; fi
+	@echo "setup 3/4: what builds and tests ple: setuptools, ninja, numpy, safetensors, gguf," \
+		"pytest, triton... (about 30 s)"
 	$(PY) -m pip install -q 'setuptools>=77' wheel ninja numpy safetensors gguf tqdm pytest hypothesis triton build
+	@echo "setup 4/4: ple in editable mode with $(EXTRAS), its C++ extension compiled against" \
+		"this torch (2 to 4 minutes on 2 cores)"
 	$(PY) -m pip install -q --no-build-isolation -e '.[$(EXTRAS)]'
-	touch $@
+	@touch $@
+	@echo "setup: done; $(VENV) is ready (. $(VENV)/bin/activate puts its python and ple's" \
+		"tools on PATH)"
 
 # The extra venvs take no transformers: the tests that need it skip without it.
 test-torch-range:

@@ -11,6 +11,7 @@
 #include <cstring>
 #include <exception>
 
+#include "doorbell_gather.h"
 #include "host_gather.h"
 #include "counters.h"
 #include "gather_config.h"
@@ -384,6 +385,22 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       "owner (0: none)");
   m.def("graph_gather_mechanism", &ple::graph_gather_mechanism,
         "How a gather captured in a CUDA graph now runs: \"doorbell\" or \"host_func\"");
+  m.def(
+      "doorbell_counts",
+      [] {
+        const ple::DoorbellCounts counts = ple::doorbell_counts();
+        py::dict out;
+        out["by_thread"] = counts.by_thread;
+        out["by_node"] = counts.by_node;
+        out["handed_over"] = counts.handed_over;
+        out["thread_wakes"] = counts.thread_wakes;
+        return out;
+      },
+      "Who answered the CUDA graphs' doorbells so far: the doorbell thread, a wake-up node, "
+      "the thread after a node's wait ran out; and the wakes for replays close together");
+  m.def("set_doorbell_always_spins", &ple::set_doorbell_always_spins,
+        "While true, the doorbell thread answers every ring by spinning, never sleeping "
+        "(benchmarks)");
   m.def("register_host_memory", [](uintptr_t data, size_t bytes, int device) {
     ple::register_host_memory(reinterpret_cast<void*>(data), bytes, device);
   });

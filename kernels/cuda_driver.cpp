@@ -3,6 +3,7 @@
 #include <dlfcn.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <stdexcept>
 #include <string>
@@ -51,6 +52,11 @@ const Driver& driver() {
     required("cuDevicePrimaryCtxRetain", d.primary_ctx_retain);
     find(lib, "cuStreamWaitValue32_v2", d.stream_wait_value32);
     find(lib, "cuStreamWriteValue32_v2", d.stream_write_value32);
+    find(lib, "cuStreamGetCaptureInfo_v3", d.stream_get_capture_info_v3);
+    find(lib, "cuStreamGetCaptureInfo_v2", d.stream_get_capture_info_v2);
+    find(lib, "cuGraphNodeGetDependencies_v2", d.graph_node_get_dependencies_v2);
+    find(lib, "cuGraphNodeGetDependencies", d.graph_node_get_dependencies);
+    find(lib, "cuGraphAddHostNode", d.graph_add_host_node);
     return d;
   }();
   if (!loaded.unusable.empty()) throw OsError("cannot use the CUDA driver: " + loaded.unusable);
@@ -61,6 +67,57 @@ void check(CUresult result, const char* what) {
   if (result != 0) {
     throw std::runtime_error(std::string(what) + " failed (CUresult " + std::to_string(result) + ")");
   }
+}
+
+CapturePoint Driver::capture_point(CUstream stream) const {
+  constexpr int kCaptureActive = 1;  // CU_STREAM_CAPTURE_STATUS_ACTIVE
+  int status = 0;
+  CapturePoint point;
+  const CUgraphNode* frontier = nullptr;
+  size_t count = 0;
+  if (stream_get_capture_info_v3 != nullptr) {
+    // The edges' data too: a query without it fails where an edge carries any.
+    const CudaGraphEdgeData* edges = nullptr;
+    check(stream_get_capture_info_v3(stream, &status, nullptr, &point.graph, &frontier, &edges,
+                                     &count),
+          "cuStreamGetCaptureInfo_v3");
+  } else {
+    check(stream_get_capture_info_v2(stream, &status, nullptr, &point.graph, &frontier, &count),
+          "cuStreamGetCaptureInfo_v2");
+  }
+  if (status != kCaptureActive || point.graph == nullptr) {
+    throw std::runtime_error("cuStreamGetCaptureInfo: the stream is not capturing a graph");
+  }
+  // The array is the driver's until the next call on the stream: copied now.
+  if (frontier != nullptr) point.frontier.assign(frontier, frontier + count);
+  return point;
+}
+
+bool Driver::add_dependencies_of(CUgraphNode node, std::vector<CUgraphNode>& out) const {
+  std::vector<CUgraphNode> found;
+  size_t count = 0;
+  if (graph_node_get_dependencies_v2 != nullptr) {
+    // With room for the edges' data: a query without it fails where an edge
+    // carries any.
+    if (graph_node_get_dependencies_v2(node, nullptr, nullptr, &count) != 0) return false;
+    found.resize(count);
+    std::vector<CudaGraphEdgeData> edges(count);
+    if (count > 0 &&
+        graph_node_get_dependencies_v2(node, found.data(), edges.data(), &count) != 0) {
+      return false;
+    }
+  } else if (graph_node_get_dependencies != nullptr) {
+    if (graph_node_get_dependencies(node, nullptr, &count) != 0) return false;
+    found.resize(count);
+    if (count > 0 && graph_node_get_dependencies(node, found.data(), &count) != 0) return false;
+  } else {
+    return false;
+  }
+  found.resize(count);
+  for (CUgraphNode dependency : found) {
+    if (std::find(out.begin(), out.end(), dependency) == out.end()) out.push_back(dependency);
+  }
+  return true;
 }
 
 RelaxedCaptureMode::RelaxedCaptureMode() {

@@ -6,6 +6,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <string>
+#include <vector>
 
 namespace ple {
 
@@ -14,6 +15,24 @@ using CUstream = void*;
 using CUcontext = void*;
 using CUdeviceptr = unsigned long long;
 using CUhostFn = void (*)(void*);
+using CUgraph = void*;
+using CUgraphNode = void*;
+
+struct CudaHostNodeParams {  // CUDA_HOST_NODE_PARAMS
+  CUhostFn fn;
+  void* user_data;
+};
+
+struct CudaGraphEdgeData {  // CUgraphEdgeData: what an edge's data is, never read here
+  unsigned char from_port, to_port, type, reserved[5];
+};
+
+// Where a stream's capture stands: the graph it captures into, and the nodes
+// that the next operation captured on the stream will depend on.
+struct CapturePoint {
+  CUgraph graph = nullptr;
+  std::vector<CUgraphNode> frontier;
+};
 
 struct Driver {
   CUresult (*launch_host_func)(CUstream, CUhostFn, void*) = nullptr;
@@ -30,6 +49,20 @@ struct Driver {
   // driver): a stream waits for a word to hold a value, or writes one.
   CUresult (*stream_wait_value32)(CUstream, CUdeviceptr, uint32_t, unsigned) = nullptr;
   CUresult (*stream_write_value32)(CUstream, CUdeviceptr, uint32_t, unsigned) = nullptr;
+  // Where a stream's capture stands (cuStreamGetCaptureInfo, the _v3 entry
+  // point of CUDA 12.3 and later, else the _v2 one), the nodes a node
+  // depends on (cuGraphNodeGetDependencies, _v2 of CUDA 12.3 and later with
+  // the edges' data), and a node added to a graph directly: the doorbell's
+  // wake-up node (doorbell_gather.h).
+  CUresult (*stream_get_capture_info_v3)(CUstream, int*, uint64_t*, CUgraph*, const CUgraphNode**,
+                                         const CudaGraphEdgeData**, size_t*) = nullptr;
+  CUresult (*stream_get_capture_info_v2)(CUstream, int*, uint64_t*, CUgraph*, const CUgraphNode**,
+                                         size_t*) = nullptr;
+  CUresult (*graph_node_get_dependencies_v2)(CUgraphNode, CUgraphNode*, CudaGraphEdgeData*,
+                                             size_t*) = nullptr;
+  CUresult (*graph_node_get_dependencies)(CUgraphNode, CUgraphNode*, size_t*) = nullptr;
+  CUresult (*graph_add_host_node)(CUgraphNode*, CUgraph, const CUgraphNode*, size_t,
+                                  const CudaHostNodeParams*) = nullptr;
 
   // Why the driver cannot be used (the library or a required entry point
   // is missing); empty when it can.
@@ -38,6 +71,16 @@ struct Driver {
   bool has_stream_memory_ops() const {
     return stream_wait_value32 != nullptr && stream_write_value32 != nullptr;
   }
+  bool can_add_captured_nodes() const {
+    return (stream_get_capture_info_v3 != nullptr || stream_get_capture_info_v2 != nullptr) &&
+           graph_add_host_node != nullptr;
+  }
+  // Where `stream`'s capture stands; throws unless it is capturing.
+  CapturePoint capture_point(CUstream stream) const;
+  // The nodes that `node` depends on, appended to `out` (those already in
+  // it are not added twice); false, with `out` as it was, where the driver
+  // cannot say.
+  bool add_dependencies_of(CUgraphNode node, std::vector<CUgraphNode>& out) const;
 };
 
 // cuStreamWaitValue32's condition that the word equals the value, and

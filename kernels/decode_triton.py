@@ -150,8 +150,13 @@ def without_tiers(placeholder: torch.Tensor) -> tuple:
     return (placeholder,) * 3 + (0, 0, 0, 0) + (placeholder,) * 2
 
 
+# The positions of the tensors among a decoder's arguments (staged, status,
+# out, and call_row's pointers), for LaunchCache.launch_planned.
+DECODER_TENSORS = (0, 1, 2, 5, 6, 7, 12, 13)
+
+
 def launch_decoder(kernel, staged: torch.Tensor | None, fmt: RowFormat, out: torch.Tensor,
-                   status: torch.Tensor | None, tiers: TierRead | None, *args, **meta
+                   status: torch.Tensor | None, tiers: TierRead | None, *args: float, **meta
                    ) -> torch.Tensor:
     """Launches a row decoder ``kernel(staged, status, out, cols, row_bytes,
     <tiers>, *args, FMT=, BLOCK=, TIERS=, HAS_STATUS=, SCAN_IDS=, **meta)``
@@ -160,11 +165,13 @@ def launch_decoder(kernel, staged: torch.Tensor | None, fmt: RowFormat, out: tor
     rows) or, with ``tiers``, where ``tiers`` says (then ``staged`` holds
     the rows that are not resident, or is None when every row is).  Every
     value is NaN when ``status`` (an int32 word) is nonzero at run time.
-    Returns ``out``."""
+    ``args``: floats; ``meta``: the same for every call of ``kernel`` with
+    one ``fmt``.  Returns ``out``."""
     if out.dim() != 2 or not out.is_contiguous():
         raise ValueError("out must be a contiguous [n, cols] tensor")
     n, cols = out.shape
-    block, column_blocks, row_bytes = row_layout(fmt, out.dtype, cols)
+    dtype = out.dtype
+    block, column_blocks, row_bytes = row_layout(fmt, dtype, cols)
     if staged is None:
         if tiers is None:
             raise ValueError("without tiers the rows must be staged")
@@ -179,10 +186,17 @@ def launch_decoder(kernel, staged: torch.Tensor | None, fmt: RowFormat, out: tor
     grid = (n, column_blocks, 1)
     # A status word that is not read (HAS_STATUS false) may be any tensor's.
     source = without_tiers(out) if tiers is None else tiers.kernel_args
-    _launches(kernel).launch(
-        grid, (staged, out if status is None else status, out, cols, row_bytes, *source, *args),
-        out.get_device(), FMT=fmt.name, BLOCK=block, TIERS=tiers is not None,
-        HAS_STATUS=status is not None, SCAN_IDS=0 if tiers is None else tiers.scan_ids, **meta)
+    device = out.get_device()
+    # Everything the launch specializes on but the tensors' addresses: the
+    # staged rows are uint8, the status word int32, the placeholders out's
+    # dtype; the constexprs follow from these.
+    plan = (fmt.name, dtype, cols, status is None, None if tiers is None else tiers.plan,
+            len(args), device)
+    _launches(kernel).launch_planned(
+        plan, DECODER_TENSORS, grid,
+        (staged, out if status is None else status, out, cols, row_bytes, *source, *args), device,
+        dict(FMT=fmt.name, BLOCK=block, TIERS=tiers is not None, HAS_STATUS=status is not None,
+             SCAN_IDS=0 if tiers is None else tiers.scan_ids, **meta))
     return out
 
 

@@ -24,7 +24,6 @@
 #include <mutex>
 #include <string>
 #include <utility>
-#include <vector>
 
 #include "doorbell_gather.h"
 #include "worker_pool.h"
@@ -35,30 +34,16 @@ namespace {
 
 // By (table, stream).  A captured gather's errors are kept under stream 0,
 // for the next call on any stream: a graph replays on whatever stream it is
-// launched on, not on the one it was captured on.
+// launched on, not on the one it was captured on.  Never destroyed: a replay
+// may fail while the process exits, after its static objects are gone.
 std::mutex errors_mutex;
-std::map<std::pair<int64_t, uintptr_t>, std::string> pending_errors;
-
-// Jobs captured in a graph run on every replay, for as long as the graph
-// lives, which nothing here can know: they are kept for the process's life.
-std::mutex captured_mutex;
-std::vector<std::unique_ptr<HostGatherJob>> captured_jobs;
+auto& pending_errors = *new std::map<std::pair<int64_t, uintptr_t>, std::string>;
 
 // A host function that records an error while another thread forks must not
-// leave the child's locks held.
-const int locks_survive_fork = ::pthread_atfork(
-    [] {
-      errors_mutex.lock();
-      captured_mutex.lock();
-    },
-    [] {
-      captured_mutex.unlock();
-      errors_mutex.unlock();
-    },
-    [] {
-      captured_mutex.unlock();
-      errors_mutex.unlock();
-    });
+// leave the child's lock held.
+const int lock_survives_fork = ::pthread_atfork([] { errors_mutex.lock(); },
+                                                [] { errors_mutex.unlock(); },
+                                                [] { errors_mutex.unlock(); });
 
 void record_error(const HostGatherJob& job, const std::string& what) {
   std::lock_guard<std::mutex> lock(errors_mutex);
@@ -80,7 +65,8 @@ HostGatherJob for_replays(HostGatherJob job) {
 
 bool doorbell_wanted() {
   const char* choice = std::getenv("PLE_GRAPH_GATHER");
-  return driver().has_stream_memory_ops() && !doorbell_refused() &&
+  return driver().has_stream_memory_ops() && driver().can_add_captured_nodes() &&
+         !doorbell_refused() &&
          (choice == nullptr || std::strcmp(choice, "host_func") != 0);
 }
 
@@ -117,10 +103,11 @@ void launch_host_gather(const HostGatherJob& job, bool capturing) {
     return;
   }
   if (doorbell_wanted() && enqueue_doorbell_gather(stream, for_replays(job))) return;
+  // Kept for the process's life, never freed: the graph runs it on every
+  // replay for as long as the graph lives, which nothing here can know.
   auto captured = std::make_unique<HostGatherJob>(for_replays(job));
   check(driver().launch_host_func(stream, run_captured_job, captured.get()), "cuLaunchHostFunc");
-  std::lock_guard<std::mutex> lock(captured_mutex);
-  captured_jobs.push_back(std::move(captured));
+  captured.release();
 }
 
 std::string graph_gather_mechanism() { return doorbell_wanted() ? "doorbell" : "host_func"; }

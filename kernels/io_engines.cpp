@@ -290,6 +290,7 @@ class PreadPool final : public IoEngine {
   }
 
   void work() {
+    ::pthread_setname_np(::pthread_self(), "ple-io");  // told apart from torch's in profiles
     std::unique_lock<std::mutex> lock(mutex_);
     while (true) {
       work_ready_.wait(lock, [this] { return stopping_ || !work_.empty(); });

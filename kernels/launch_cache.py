@@ -9,12 +9,21 @@ determines that specialization (the device, the pointers' dtypes and
 alignments, the integers' exact values, the constexprs and options), and a
 later launch of the same key launches that compiled kernel directly.
 
+Building that key still reads every argument (a tensor's dtype and
+address, an integer's type: about half a microsecond a tensor).  A caller
+that knows what determines its specialization (the decoders: the row
+format, the output's dtype and width, the tiers' layout) names it as a
+*plan*, with the positions of its tensors: a planned launch whose tensors
+are all 16-byte aligned, as an earlier one of the same plan was, reads only
+their addresses and launches that launch's compiled kernel.
+
 The compiled kernel is launched with each tensor passed as its address,
 read once for the key and the launch (a launcher given a tensor asks it for
 its address again: about 5 us of the 8 tensors of a decode), through
 torch's static launcher where torch has one for the kernel
 (``torch._inductor``'s ``StaticallyLaunchedCudaKernel``, which
-``torch.compile`` launches its own Triton kernels with), else through
+``torch.compile`` launches its own Triton kernels with; its C++ launch is
+called directly, with the argument types it derived once), else through
 Triton's.  (On an H200 host the two took 13.0 and 13.5 us with tensors; the
 static one 8.3 us with addresses.)
 
@@ -37,6 +46,7 @@ class LaunchCache:
     def __init__(self, kernel):
         self.kernel = kernel
         self._launchers: dict[tuple, object] = {}
+        self._planned: dict = {}  # plan -> the launcher of its aligned calls
         params = getattr(kernel, "params", None)
         if params is None:  # the interpreter's kernel: nothing is compiled
             self.constexpr_names = None
@@ -49,19 +59,47 @@ class LaunchCache:
     def launch(self, grid: tuple[int, int, int], args: tuple, device: int, **meta) -> None:
         """Launches on the current stream of ``device`` (an index, the
         current device), as ``kernel[grid](*args, **meta)`` does."""
+        self._launch(grid, args, device, meta)
+
+    def launch_planned(self, plan, tensors: tuple[int, ...], grid: tuple[int, int, int],
+                       args: tuple, device: int, meta: dict) -> None:
+        """``launch(grid, args, device, **meta)`` of a call whose ``plan``
+        (hashable) determines all that the launch specializes on but its
+        tensors' alignment: the tensors' dtypes, the other arguments' values
+        (a float's type only), ``meta`` and ``device``.  ``tensors``: the
+        positions of the tensors in ``args``.  A call whose tensors are all
+        16-byte aligned launches the compiled kernel of the plan's first
+        such call."""
+        launcher = self._planned.get(plan)
+        if launcher is not None:
+            values = list(args)
+            addresses = 0
+            for i in tensors:
+                values[i] = address = args[i].data_ptr()
+                addresses |= address
+            if not addresses & 15:
+                launcher(grid, values, torch._C._cuda_getCurrentRawStream(device))
+                return
+        launcher = self._launch(grid, args, device, meta)
+        if launcher is not None and all(not args[i].data_ptr() & 15 for i in tensors):
+            self._planned[plan] = launcher
+
+    def _launch(self, grid: tuple[int, int, int], args: tuple, device: int, meta: dict):
+        """``launch``; returns the launcher of the call's key (None under the
+        interpreter)."""
         if self.constexpr_names is None:
             self.kernel[grid](*args, **meta)
-            return
-        specialization, values = _specialization(args)
-        key = (device, *specialization, *meta.items())
+            return None
+        key, values = _key(args, device, meta)
         launcher = self._launchers.get(key)
         if launcher is not None:
             launcher(grid, values, torch._C._cuda_getCurrentRawStream(device))
-            return
+            return launcher
         compiled = self.kernel[grid](*args, **meta)
         constexprs = tuple(meta[name] for name in self.constexpr_names)
-        self._launchers[key] = (static_launcher(compiled, len(args))
-                                or TritonLaunch(compiled, constexprs))
+        launcher = self._launchers[key] = (static_launcher(compiled, len(args))
+                                           or TritonLaunch(compiled, constexprs))
+        return launcher
 
     def launchers(self) -> list:
         """The launchers made so far, one a specialization."""
@@ -83,16 +121,44 @@ class StaticLaunch:
     """A launch of a compiled kernel through torch's static launcher: the
     arguments the kernel takes (``kept``: their positions among a launch's
     arguments, None for all; an integer argument the compiler made a
-    constant is not passed)."""
+    constant is not passed).  Where the launcher's parts are those this
+    knows (CUDA, not ROCm), its C++ launch is called with what its ``run``
+    would pass, the argument types and scratch arguments derived once."""
 
     def __init__(self, static, kept: tuple[int, ...] | None):
         self.run = static.run
         self.kept = kept
+        self._direct = _direct_launch(static)
 
-    def __call__(self, grid: tuple[int, int, int], args: tuple, stream: int) -> None:
+    def __call__(self, grid: tuple[int, int, int], args, stream: int) -> None:
         if self.kept is not None:
             args = [args[i] for i in self.kept]
-        self.run(*grid, stream, *args)
+        if self._direct is None:
+            self.run(*grid, stream, *args)
+            return
+        launch, function, num_warps, shared, arg_tys, scratch = self._direct
+        try:
+            launch(function, *grid, num_warps, shared, arg_tys, (*args, *scratch), stream)
+        except TypeError:  # a launch this does not know how to call: refused before it ran
+            self._direct = None
+            self.run(*grid, stream, *args)
+
+
+def _direct_launch(static) -> tuple | None:
+    """``(launch, function, num_warps, shared, arg_tys, scratch)``: what
+    ``static.run`` passes to its C++ launch, or None where it may do more
+    than this knows (ROCm, another torch's launcher)."""
+    if torch.version.hip is not None:
+        return None
+    try:
+        launch = static.C_impl._launch_kernel
+        parts = (static.function, static.num_warps, static.shared, static.arg_tys)
+    except (AttributeError, ImportError, NotImplementedError):
+        return None
+    scratch = tuple(None for flag in ("has_global_scratch", "has_profile_scratch")
+                    if getattr(static, flag, False))
+    function, num_warps, shared, arg_tys = parts
+    return launch, function, num_warps, shared, arg_tys + "O" * len(scratch), scratch
 
 
 def static_launcher(compiled, num_args: int) -> StaticLaunch | None:
@@ -138,20 +204,29 @@ def _passed_args(src, num_args: int) -> tuple[int, ...]:
     return tuple(i for i in range(num_args) if types.get(i) != "constexpr" and i not in constants)
 
 
-def _specialization(args: tuple) -> tuple[list, list]:
-    """What of ``args`` a Triton launch specializes on, or more (each
-    tensor's dtype and whether its address is 16-byte aligned, each
-    integer's value, each float's type only: a float is always passed as
-    fp32, and its value, NaN included, would make keys that never match);
-    and the values a compiled launch takes, each tensor as its address
-    (read once: a launcher asked for a tensor's address asks the tensor)."""
-    key, values = [], []
+def _key(args: tuple, device: int, meta: dict) -> tuple[tuple, list]:
+    """The key of a launch: the device, what of ``args`` a Triton launch
+    specializes on, or more (each tensor's dtype and whether its address is
+    16-byte aligned, each integer's value, each float's type only: a float
+    is always passed as fp32, and its value, NaN included, would make keys
+    that never match), and ``meta``; and the values a compiled launch takes,
+    each tensor as its address (read once: a launcher asked for a tensor's
+    address asks the tensor)."""
+    key, values = [device], []
     for arg in args:
-        if isinstance(arg, torch.Tensor):
+        kind = type(arg)
+        if kind is int:
+            key.append(arg)
+            values.append(arg)
+        elif kind is float:
+            key.append(float)
+            values.append(arg)
+        elif isinstance(arg, torch.Tensor):
             address = arg.data_ptr()
             key.append((arg.dtype, address % 16 == 0))
             values.append(address)
         else:
-            key.append(float if isinstance(arg, float) else (type(arg), arg))
+            key.append((kind, arg))
             values.append(arg)
-    return key, values
+    key.extend(meta.items())
+    return tuple(key), values

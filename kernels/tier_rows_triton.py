@@ -111,7 +111,7 @@ class TierRead:
     host gather checks the ids (every row resident).  Such a call of more
     than SCAN_MAX_IDS ids must have its ids checked by ``check_ids`` first."""
 
-    __slots__ = ("kernel_args", "scan_ids", "unread_rows")
+    __slots__ = ("kernel_args", "scan_ids", "unread_rows", "plan")
 
     def __init__(self, ids: torch.Tensor, device_table: torch.Tensor | None,
                  host_table: torch.Tensor | None, first_row: int, num_rows: int,
@@ -131,6 +131,10 @@ class TierRead:
         self.kernel_args = (ids, no_tier if device_table is None else device_table,
                             no_tier if host_table is None else host_table, first_row, device_rows,
                             device_rows + host_rows, num_rows, hits, report if scans else hits)
+        # What of these a decoder's launch specializes on, but their addresses
+        # (LaunchCache.launch_planned): the tiers and the hits are uint8 and int64
+        # by construction, the report int32.
+        self.plan = (ids.dtype, *self.kernel_args[3:7], self.scan_ids)
 
 
 def check_ids(ids: torch.Tensor, num_rows: int, report: torch.Tensor) -> torch.Tensor:

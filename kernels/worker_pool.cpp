@@ -187,6 +187,7 @@ class WorkerPool {
   }
 
   void work() {
+    ::pthread_setname_np(::pthread_self(), "ple-gather");  // told apart from torch's in profiles
     inside_job = true;  // a worker only ever runs tasks
     uint32_t seen = 0;
     auto current = [&] { return Job::of(job_.load(std::memory_order_acquire)).generation; };

@@ -65,7 +65,10 @@ class DiskEmbedding(LooksAhead, PlacesServedRows, torch.nn.Module):
     when they equal the table (a state dict of this module, or of the
     reference module over the same values) and refuses other values: the
     rows stay in their files.  A GGUF table keeps no tensor in the state
-    dict (its blocks are no torch dtype); nor does any table while
+    dict (its blocks are no torch dtype), unless ``checkpoint`` names the
+    safetensors table it is a quantized copy of, whose tensors the state
+    dict holds instead (a saved model is then the original); nor does any
+    table while
     :meth:`hold_table_in_state_dict` says not to (a loader that fills the
     state dict's tensors from the checkpoint, as transformers' does, must
     not see them).
@@ -77,7 +80,7 @@ class DiskEmbedding(LooksAhead, PlacesServedRows, torch.nn.Module):
 
     def __init__(self, table: Table, dtype: torch.dtype | None = None, *,
                  padding_idx: int | None = None, device: torch.device | str | None = None,
-                 process_group=None, round_scale: bool = False):
+                 process_group=None, round_scale: bool = False, checkpoint: Table | None = None):
         super().__init__()
         dtype = table.dtype if dtype is None else dtype
         if dtype not in DTYPES:
@@ -95,7 +98,10 @@ class DiskEmbedding(LooksAhead, PlacesServedRows, torch.nn.Module):
         self.register_buffer("dtype_tracker", torch.empty(0, dtype=dtype, device=device or "cpu"),
                              persistent=False)
         self._meta_weight: torch.Tensor | None = None
-        self._table_in_state_dict = table.row_format.safetensors_dtype is not None
+        # The table whose checkpoint tensors the state dict holds: the
+        # original of a quantized copy that `table` is.
+        self.checkpoint = table if checkpoint is None else checkpoint
+        self._table_in_state_dict = self.checkpoint.row_format.safetensors_dtype is not None
         # weight_scale's value, read when a cast changes it: the gathers take
         # it as a number, and reading a CUDA buffer in a forward would sync.
         self._scale_value: float | None = None
@@ -186,11 +192,11 @@ class DiskEmbedding(LooksAhead, PlacesServedRows, torch.nn.Module):
         safetensors table; the default).  The transformers integration turns
         it off while transformers' loader runs, which would otherwise read
         the table into them."""
-        self._table_in_state_dict = hold and self.table.row_format.safetensors_dtype is not None
+        self._table_in_state_dict = hold and self.checkpoint.row_format.safetensors_dtype is not None
 
     def _table_entries(self, prefix: str) -> dict[str, torch.Tensor]:
         """The state dict's entries of the table: its shards and its scale, by key."""
-        shards, scale = self.table.checkpoint_tensors()
+        shards, scale = self.checkpoint.checkpoint_tensors()
         if len(shards) == 1:
             entries = {f"{prefix}weight": next(iter(shards.values()))}
         else:
@@ -211,7 +217,7 @@ class DiskEmbedding(LooksAhead, PlacesServedRows, torch.nn.Module):
                               unexpected_keys, error_msgs):
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
                                       unexpected_keys, error_msgs)
-        if self.table.row_format.safetensors_dtype is None:
+        if self.checkpoint.row_format.safetensors_dtype is None:
             return
         for key, ours in self._table_entries(prefix).items():
             if key not in state_dict:
@@ -225,7 +231,7 @@ class DiskEmbedding(LooksAhead, PlacesServedRows, torch.nn.Module):
                 differs = _first_difference(given, ours)
                 if differs is not None:
                     error_msgs.append(
-                        f"{key}: ple serves {self.table.name!r} from its files, and the state "
+                        f"{key}: ple serves {self.checkpoint.name!r} from its files, and the state "
                         f"dict's values differ from them ({differs}); the rows of a served "
                         "table cannot be loaded")
 
@@ -287,8 +293,11 @@ class DiskEmbedding(LooksAhead, PlacesServedRows, torch.nn.Module):
         return layer_ids(token_ids).to(torch.int64)
 
     def close(self) -> None:
-        """Closes the table (unmaps its files); the module cannot run after."""
+        """Closes the table (unmaps its files), and its checkpoint's; the
+        module cannot run after."""
         self.table.close()
+        if self.checkpoint is not self.table:
+            self.checkpoint.close()
 
     def __enter__(self) -> "DiskEmbedding":
         return self

@@ -4,6 +4,7 @@ device and stream."""
 
 from __future__ import annotations
 
+import atexit
 import mmap
 import weakref
 
@@ -51,6 +52,26 @@ class PinnedBuffer:
             self.bytes = None
 
 
+# The CUDA devices whose streams have staged rows in this process.
+_devices: set[int] = set()
+
+
+def _finish_at_exit() -> None:
+    """Waits, at the interpreter's exit, for the work of every device that
+    staged rows: a host gather still enqueued (an eager call's, or a CUDA
+    graph's replay still running) reads the pinned ids and writes the pinned
+    rows, whose memory Python unmaps when it tears its modules down, after
+    this.  Every gather of ple ends (a graph's ring is always answered);
+    a forked child, whose CUDA is the parent's, waits for nothing."""
+    if native.forked_after_cuda() or getattr(torch.cuda, "_is_in_bad_fork", bool)():
+        return
+    for device in _devices:
+        try:
+            torch.cuda.synchronize(device)
+        except Exception:  # the device is gone: nothing of it runs any longer
+            pass
+
+
 class StreamStaging:
     """The buffers of one table on one stream.  Work on a stream runs in
     order, so a call may reuse the buffers of the call before it; a larger
@@ -62,6 +83,9 @@ class StreamStaging:
                  bad_id_flag: PinnedBuffer | None = None):
         self.stream = stream
         self.row_bytes = row_bytes
+        if not _devices:
+            atexit.register(_finish_at_exit)  # after torch's: it runs before them
+        _devices.add(stream.device.index)
         self.capacity = 0  # rows
         self.ids: PinnedBuffer | None = None
         self.rows: PinnedBuffer | None = None

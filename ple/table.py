@@ -755,9 +755,10 @@ class Table:
         """Unmaps the files once the calls reading the table are done (each
         gives its rows; a call that starts after this raises a ValueError), a
         prefetch in progress is stopped.  Waits for the CUDA streams this
-        table staged rows on, then frees its pinned buffers and tiers: a CUDA
-        graph that gathers from this table must not be replayed after it is
-        closed.  Closing again does nothing.  In a child forked from a
+        table staged rows on (every stream of their devices: a CUDA graph's
+        replay that has begun is finished), then frees its pinned buffers and
+        tiers: a CUDA graph that gathers from this table must not be replayed
+        after it is closed.  Closing again does nothing.  In a child forked from a
         process that used CUDA, the parent's CUDA buffers and tiers are left
         as they are (the child cannot free them)."""
         with self._state_lock:
@@ -780,8 +781,12 @@ class Table:
         if native.forked_after_cuda() or getattr(torch.cuda, "_is_in_bad_fork", bool)():
             _left_to_the_parent.append((dict(self._staging), tiers, retired))
         else:
+            # Every stream of the devices, not only the staging streams: a CUDA
+            # graph replays on whatever stream launches it, and a replay still
+            # running uses the buffers and tiers freed here.
+            for device in {staging.stream.device for staging in self._staging.values()}:
+                torch.cuda.synchronize(device)
             for staging in self._staging.values():
-                staging.stream.synchronize()
                 staging.free()
             for kept in (tiers, *retired):
                 if kept is not None:

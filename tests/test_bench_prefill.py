@@ -4,7 +4,9 @@ child of its own and gives the same rows, which equal an independent NumPy
 reading of the shards; lookahead takes every chunk from its prefetch; the table has the layout asked
 for; an arm past its deadline is reported as timed out, not waited for; the
 JSON document holds the arms, the token source and the goal check; real
-text is tokenized with GPT-2's BPE."""
+text is tokenized with GPT-2's BPE; each arm warms up on a table of its
+own; a thread profile names ple's threads and splits their CPU by phase of
+the chunks."""
 
 import hashlib
 import json
@@ -224,7 +226,10 @@ def test_through_a_model_lookahead_gives_the_same_first_token(quick, tokens_file
         arms["lookahead-direct-cache:16"]["sha256"]
     assert arms["reads"]["sha256"] == arms["reads-direct-cache:16"]["sha256"]
     assert arms["window"]["output"] == "first token" and arms["reads"]["output"] == "rows"
-    assert arms["compute"]["pages"] is None and arms["compute"]["read_bytes"] < 2**20
+    # The compute arm reads none of the table: no page of its files came into
+    # the page cache (whatever else the process read again under memory
+    # pressure, its libraries say).
+    assert arms["compute"]["pages"] is None and arms["compute"]["table_cached_bytes"] == 0
     assert arms["window"]["pages"] > 0 and arms["window"]["prefetch_hits"] == 0
     # Every chunk's rows were read ahead, through either reader.
     assert arms["lookahead"]["prefetch_hits"] == arms["lookahead-direct-cache:16"]["prefetch_hits"] == 3
@@ -348,3 +353,42 @@ def test_the_batched_qsa_indexer_takes_transformers_loop_for_other_masks(tiny_qw
     ours, _, poolings = indexer_calls(model, True, lambda: indexer(*args))
     assert poolings > 1 and torch.equal(ours[0][1], theirs[0][1])
     assert not torch.equal(theirs[0][1], windows)
+
+
+def test_a_thread_profile_names_ples_threads_and_splits_the_chunks(quick, tokens_file):
+    _, _, table = quick
+    out = tokens_file.parent / "profile.json"
+    proc = run_tool("--table", table, "--tokens", tokens_file, "--tokens-count", TOKENS,
+                    "--shards", 6, "--files", 4, "--arms", "lookahead", "--compute-ms", 50,
+                    "--device", "cpu", "--thread-profile", "--json", out)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    (record,) = json.loads(out.read_text())["results"]["arms"]
+    profile = record["thread_profile"]
+    assert {"main", "ple-prefetch"} <= set(profile["groups"])
+    assert profile["samples"]["reads"] > 0 and profile["samples"]["compute"] > 0
+    assert profile["groups"]["main"]["cpu_s"]["compute"] > 0  # the busy compute stand-in
+    assert record["warm_up_s"] > 0 and record["prefetch_hits"] == 2
+    assert "lookahead: its threads' CPU while its chunks ran" in proc.stdout
+    assert "more than the CPUs in" in proc.stdout
+
+
+def test_the_phases_of_the_chunks():
+    layer = [{"t_start": 1.0, "t_forward_end": 1.5, "t_end": 2.0}]
+    assert bench_prefill.chunk_phases(layer) == [(1.0, 1.5, "reads"), (1.5, 2.0, "compute")]
+    model = [{"t_start": 1.0, "t_end": 2.0, "in_ple": [[1.2, 1.3]]},
+             {"t_start": 2.0, "t_end": 3.0, "in_ple": [[2.0, 2.1], [2.5, None]]}]
+    assert bench_prefill.chunk_phases(model) == [
+        (1.0, 1.2, "model"), (1.2, 1.3, "in_ple"), (1.3, 2.0, "model"),
+        (2.0, 2.1, "in_ple"), (2.1, 2.5, "model"), (2.5, 3.0, "in_ple")]
+
+
+def test_the_warm_up_runs_a_chunk_of_every_shape(tmp_path):
+    tokens = tmp_path / "tokens.npy"
+    np.save(tokens, np.arange(5000, dtype=np.int64))
+    spec = {"tokens_path": str(tokens), "chunk": 2048}
+    # The first chunk, a full one after it, and the last one's 904 tokens.
+    assert len(bench_prefill.warm_up_tokens(spec)) == 2 * 2048 + 904
+    np.save(tokens, np.arange(4096, dtype=np.int64))
+    assert len(bench_prefill.warm_up_tokens(spec)) == 4096
+    np.save(tokens, np.arange(1000, dtype=np.int64))
+    assert len(bench_prefill.warm_up_tokens(spec)) == 1000

@@ -3,9 +3,14 @@
 missing or PLE_GRAPH_GATHER=host_func, run by a host node: replays with new
 ids equal the eager operator either way, with tiers and prefetch and on two
 streams; a failed gather gives NaN, the next call raises and the doorbell is
-answered again; a forked child and the process's exit do not hang; and the doorbell thread
-leaves the CPU alone once no graph runs.  Skipped without a GPU; the cases
-that could hang run in a subprocess with a timeout."""
+answered again; a forked child, the process's exit (the doorbell thread
+asleep, or a replay still waiting for its ring) and a close while a replay
+waits do not hang; the doorbell thread sleeps once no graph runs; replays
+after a pause are answered by their wake-up node, gathers late in a graph
+too (the node runs beside their ids' copy), and replays back to back by the
+doorbell thread, each ring once.  Skipped without a GPU; the cases that
+could hang run in a subprocess with a timeout.  (The protocol itself, on
+the CPU: tests/test_doorbell_protocol.py.)"""
 
 from __future__ import annotations
 
@@ -118,18 +123,111 @@ def test_graphs_on_two_streams(table, mechanism):
             assert_same(out, want)
 
 
-def test_the_doorbell_thread_rests_when_no_graph_runs(table, monkeypatch):
+def doorbell_cpu_ms_per_s(seconds: float) -> float:
+    """The doorbell thread's CPU time per second over the next ``seconds``."""
+    from ple_tools.bench_gpu import DOORBELL_THREAD, thread_cpu_ns
+
+    before, start = thread_cpu_ns(DOORBELL_THREAD), time.perf_counter()
+    assert before is not None, "no thread is named ple-doorbell"
+    time.sleep(seconds)
+    return (thread_cpu_ns(DOORBELL_THREAD) - before) / 1e6 / (time.perf_counter() - start)
+
+
+def test_the_doorbell_thread_sleeps_when_no_graph_runs(table, monkeypatch):
     monkeypatch.delenv("PLE_GRAPH_GATHER", raising=False)
     static_ids = random_ids((16,), 0).cuda()
     graph, _ = capture_gather(table, static_ids)
     for _ in range(20):
         graph.replay()
     torch.cuda.synchronize()
-    time.sleep(0.5)  # past the spin and the fast polls
-    cpu, wall = time.process_time(), time.perf_counter()
-    time.sleep(1.0)
-    used = (time.process_time() - cpu) / (time.perf_counter() - wall)
-    assert used < 0.2, f"the process used {used:.0%} of a CPU while no graph ran"
+    time.sleep(0.1)  # past the spin after the last ring
+    used = doorbell_cpu_ms_per_s(1.0)
+    assert used < 1.0, f"the doorbell thread took {used:.2f} ms of CPU a second while no graph ran"
+
+
+def answers_since(before: dict) -> dict:
+    """The doorbell counts (native.doorbell_counts) since ``before``."""
+    return {key: value - before[key] for key, value in native.doorbell_counts().items()}
+
+
+@pytest.mark.parametrize("pause_s", (0.02, 0.3))
+def test_replays_after_a_pause(table, monkeypatch, pause_s):
+    """The first replay after a pause finds the doorbell thread asleep: its
+    wake-up node answers the ring itself."""
+    monkeypatch.delenv("PLE_GRAPH_GATHER", raising=False)
+    static_ids = random_ids((16,), 0).cuda()
+    graph, out = capture_gather(table, static_ids)
+    before = native.doorbell_counts()
+    for seed in range(1, 5):
+        time.sleep(pause_s)
+        ids = random_ids((16,), seed)
+        static_ids.copy_(ids)
+        graph.replay()
+        assert_same(out, torch.ops.ple.disk_gather(ids, table.handle, torch.bfloat16))
+    answers = answers_since(before)
+    assert answers["by_node"] + answers["by_thread"] == 4, answers
+    assert answers["by_node"] >= 1 and answers["thread_wakes"] == 0, answers
+
+
+def test_replays_back_to_back_are_answered_by_the_thread(table, monkeypatch):
+    monkeypatch.delenv("PLE_GRAPH_GATHER", raising=False)
+    static_ids = random_ids((16,), 0).cuda()
+    graph, out = capture_gather(table, static_ids)
+    time.sleep(0.01)
+    before = native.doorbell_counts()
+    for _ in range(50):
+        graph.replay()
+        torch.cuda.synchronize()
+    answers = answers_since(before)
+    assert answers["by_node"] + answers["by_thread"] == 50, answers
+    assert answers["by_thread"] >= 40, answers
+    assert_same(out, torch.ops.ple.disk_gather(static_ids.cpu(), table.handle, torch.bfloat16))
+
+
+def test_gathers_late_in_a_graph_after_a_pause(table, monkeypatch):
+    """Two gathers behind about 5 ms of other work each, replayed after a
+    pause: each one's wake-up node runs beside its ids' copy, 5 ms into the
+    replay, and answers its ring without handing it to the thread."""
+    monkeypatch.delenv("PLE_GRAPH_GATHER", raising=False)
+    first, second = random_ids((16,), 0).cuda(), random_ids((64,), 1).cuda()
+    torch.ops.ple.disk_gather(first, table.handle, torch.bfloat16)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        torch.cuda._sleep(10_000_000)  # cycles: about 5 ms at 2 GHz
+        out_first = torch.ops.ple.disk_gather(first, table.handle, torch.bfloat16)
+        torch.cuda._sleep(10_000_000)
+        out_second = torch.ops.ple.disk_gather(second, table.handle, torch.bfloat16)
+    before = native.doorbell_counts()
+    for seed in range(2, 5):
+        time.sleep(0.3)
+        ids = random_ids((16,), seed), random_ids((64,), seed + 100)
+        first.copy_(ids[0])
+        second.copy_(ids[1])
+        graph.replay()
+        assert_same(out_first, torch.ops.ple.disk_gather(ids[0], table.handle, torch.bfloat16))
+        assert_same(out_second, torch.ops.ple.disk_gather(ids[1], table.handle, torch.bfloat16))
+    answers = answers_since(before)
+    assert answers["by_node"] + answers["by_thread"] == 6, answers
+    assert answers["handed_over"] == 0, answers
+
+
+def test_a_thread_that_always_spins_answers_after_pauses(table, monkeypatch):
+    monkeypatch.delenv("PLE_GRAPH_GATHER", raising=False)
+    static_ids = random_ids((16,), 0).cuda()
+    graph, out = capture_gather(table, static_ids)
+    native.set_doorbell_always_spins(True)
+    try:
+        before = native.doorbell_counts()
+        for seed in range(1, 4):
+            time.sleep(0.05)
+            ids = random_ids((16,), seed)
+            static_ids.copy_(ids)
+            graph.replay()
+            assert_same(out, torch.ops.ple.disk_gather(ids, table.handle, torch.bfloat16))
+        assert answers_since(before)["by_thread"] == 3
+    finally:
+        native.set_doorbell_always_spins(False)
 
 
 def run_script(body: str, path, timeout: int = 180) -> subprocess.CompletedProcess:
@@ -197,4 +295,60 @@ def test_a_forked_child_and_the_process_exit_cleanly(table_path):
         torch.cuda.synchronize()
         print("ok")
     """, table_path)
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stdout + proc.stderr
+
+
+def test_the_exit_with_the_doorbell_thread_asleep(table_path):
+    proc = run_script("""
+        import time
+        table = ple.Table.from_safetensors(PATH)
+        static_ids = torch.tensor([1, 2], device="cuda")
+        graph, out = capture(table, static_ids)
+        graph.replay()
+        torch.cuda.synchronize()
+        time.sleep(0.5)  # the thread sleeps
+        print("ok")
+        sys.exit(0)
+    """, table_path, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stdout + proc.stderr
+
+
+def test_the_exit_while_a_replay_waits_for_its_ring(table_path):
+    # The replay rings 50 ms after the process starts to exit: the doorbell
+    # thread, never joined, or the wake-up node answers it.
+    proc = run_script("""
+        table = ple.Table.from_safetensors(PATH)
+        static_ids = torch.tensor([1, 2], device="cuda")
+        torch.ops.ple.disk_gather(static_ids, table.handle, torch.bfloat16)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            torch.cuda._sleep(100_000_000)  # about 50 ms
+            out = torch.ops.ple.disk_gather(static_ids, table.handle, torch.bfloat16)
+        graph.replay()
+        print("ok")
+        sys.exit(0)
+    """, table_path, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stdout + proc.stderr
+
+
+def test_a_close_while_a_replay_waits_for_its_ring(table_path):
+    # close() waits for every stream of the device, so the replay (launched
+    # on another stream than the capture's) is answered from the open table
+    # before its buffers are freed.
+    proc = run_script("""
+        table = ple.Table.from_safetensors(PATH)
+        static_ids = torch.tensor([1, 2], device="cuda")
+        want = torch.ops.ple.disk_gather(static_ids, table.handle, torch.bfloat16)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            torch.cuda._sleep(100_000_000)  # about 50 ms
+            out = torch.ops.ple.disk_gather(static_ids, table.handle, torch.bfloat16)
+        graph.replay()
+        table.close()
+        torch.cuda.synchronize()
+        assert torch.equal(out.view(torch.int16), want.view(torch.int16)), (out, want)
+        print("ok")
+    """, table_path, timeout=120)
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stdout + proc.stderr

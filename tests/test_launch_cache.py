@@ -2,7 +2,11 @@
 the earlier launch's compiled kernel (the constexprs after the other
 arguments, on the device's current stream); one that does not (another
 alignment, integer, dtype, device or constexpr) goes through the JIT; a
-float's value is never part of the key.  A stand-in kernel records the
+float's value is never part of the key.  A planned launch with its tensors
+aligned calls its plan's compiled kernel; one with a tensor misaligned
+takes the keyed launch.  torch's static launcher is called through its C++
+launch with the types and scratch arguments its run would pass, and through
+its run where that launch refuses the call.  A stand-in kernel records the
 launches (the GPU tests launch the real decoders this way)."""
 
 from types import SimpleNamespace
@@ -102,3 +106,60 @@ def test_a_static_launch_passes_only_the_arguments_the_compiled_kernel_takes():
     assert kept == (0, 2)
     StaticLaunch(static, kept)((4, 2, 1), [1234, 1, 0.5], 99)
     assert runs == [(4, 2, 1, 99, 1234, 0.5)]
+
+
+def test_a_planned_launch_calls_its_plans_compiled_kernel(stream):
+    kernel = Kernel(["x", "y", "n", "scale", "BLOCK"], {"BLOCK"})
+    cache = LaunchCache(kernel)
+    x, y = torch.zeros(64, dtype=torch.uint8), torch.zeros(64, dtype=torch.uint8)
+    grid = (2, 1, 1)
+    for first in (x, y):
+        cache.launch_planned("plan", (0, 1), grid, (first, y, 5, 0.5), 0, {"BLOCK": 16})
+    assert [launch[0] for launch in kernel.launches] == ["jit", "compiled"]
+    assert kernel.launches[1][2] == (y.data_ptr(), y.data_ptr(), 5, 0.5, 16)
+    # A misaligned tensor takes the keyed launch, which compiles its own.
+    cache.launch_planned("plan", (0, 1), grid, (x[8:], y, 5, 0.5), 0, {"BLOCK": 16})
+    assert kernel.launches[-1][0] == "jit"
+    cache.launch_planned("plan", (0, 1), grid, (x, y, 5, 0.5), 0, {"BLOCK": 16})
+    assert kernel.launches[-1][0] == "compiled"
+    # Another plan (here: another integer) is keyed anew.
+    cache.launch_planned("other", (0, 1), grid, (x, y, 6, 0.5), 0, {"BLOCK": 16})
+    assert kernel.launches[-1][0] == "jit"
+
+
+def test_a_plan_whose_first_launch_was_misaligned_is_not_kept(stream):
+    kernel = Kernel(["x", "BLOCK"], {"BLOCK"})
+    cache = LaunchCache(kernel)
+    x = torch.zeros(64, dtype=torch.uint8)
+    cache.launch_planned("plan", (0,), (1, 1, 1), (x[8:],), 0, {"BLOCK": 16})
+    cache.launch_planned("plan", (0,), (1, 1, 1), (x,), 0, {"BLOCK": 16})
+    assert [launch[0] for launch in kernel.launches] == ["jit", "jit"]
+
+
+class CppLaunch:
+    def __init__(self, refuse: bool = False):
+        self.calls, self.refuse = [], refuse
+
+    def _launch_kernel(self, *args):
+        if self.refuse:
+            raise TypeError("incompatible function arguments")
+        self.calls.append(args)
+
+
+def test_a_static_launch_calls_torchs_cpp_launch_as_its_run_would():
+    runs, cpp = [], CppLaunch()
+    static = SimpleNamespace(run=lambda *args: runs.append(args), C_impl=cpp, function=77,
+                             num_warps=4, shared=0, arg_tys="KiO", has_global_scratch=True,
+                             has_profile_scratch=False)
+    StaticLaunch(static, None)((4, 2, 1), [1234, 3, 0.5], 99)
+    assert runs == [] and cpp.calls == [(77, 4, 2, 1, 4, 0, "KiOO", (1234, 3, 0.5, None), 99)]
+
+
+def test_a_static_launch_that_its_cpp_launch_refuses_goes_through_run():
+    runs, cpp = [], CppLaunch(refuse=True)
+    static = SimpleNamespace(run=lambda *args: runs.append(args), C_impl=cpp, function=77,
+                             num_warps=4, shared=0, arg_tys="K")
+    launch = StaticLaunch(static, None)
+    launch((1, 1, 1), [1234], 99)
+    launch((1, 1, 1), [1234], 99)
+    assert runs == [(1, 1, 1, 99, 1234)] * 2 and cpp.calls == []

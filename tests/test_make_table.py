@@ -6,8 +6,10 @@ command lines say so and exit 2); write_table shows a progress bar when
 asked."""
 
 import json
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import safetensors.torch
@@ -15,7 +17,7 @@ import safetensors.torch
 import ple
 import ple_tools.make_table
 from helpers import REPO, directory_bytes, foreign_files_message, save_a_model
-from ple_tools.written import ForeignFilesError
+from ple_tools.written import ForeignFilesError, UnwritableError
 
 ARGUMENTS = dict(rows=100, row_bytes=16, shards=4, files=2, seed=0)
 
@@ -69,7 +71,7 @@ def test_other_arguments_write_it_again(make_table, tmp_path, change):
 def test_layout_json_lists_the_files_written(make_table, tmp_path):
     make_table.ensure_table(tmp_path / "a" / "b", **ARGUMENTS)  # a missing directory is made
     assert json.loads((tmp_path / "a" / "b" / "layout.json").read_text()) == {
-        "written_by": "ple-make-table", "complete": True,
+        "written_by": "ple-make-table", "what": "a table", "complete": True,
         "files": ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"],
         "layout": ARGUMENTS}
     assert sorted(p.name for p in (tmp_path / "a" / "b").iterdir()) == [
@@ -132,7 +134,7 @@ def test_files_without_their_layout_json_are_refused(make_table, tmp_path):
 
 def test_a_path_that_is_a_file_is_refused(make_table, tmp_path):
     (tmp_path / "table").write_text("x")
-    with pytest.raises(ForeignFilesError, match=f"^{tmp_path / 'table'} is not a directory: name "
+    with pytest.raises(UnwritableError, match=f"^{tmp_path / 'table'} is not a directory: name "
                        r"a directory for the tool to write into \(a missing one is created\)$"):
         make_table.ensure_table(tmp_path / "table", **ARGUMENTS)
 
@@ -204,36 +206,90 @@ def test_the_command_line_says_so_and_exits_2(tmp_path):
     assert directory_bytes(tmp_path) == before
 
 
-@pytest.mark.parametrize("tool, options", [
-    ("demo", []), ("bench_gather", ["--quick"]), ("bench_warm", []), ("bench_serving", []),
-    ("bench_layers", []), ("bench_tensor_parallel", ["--device", "cpu"])])
-def test_every_table_tool_refuses_a_saved_model(tool, options, tmp_path, capsys):
-    """Each tool's ``--table DIR`` (in this process: each refuses before its
-    benchmark starts); bench_gpu needs CUDA before it writes its table, and
-    shares the same ensure_table."""
-    import importlib
+# Each table tool's console script and the options that keep its other
+# checks quiet.
+TABLE_TOOLS = [("ple-demo", []), ("ple-bench-gather", ["--quick"]), ("ple-bench-warm", []),
+               ("ple-bench-serving", []), ("ple-bench-layers", []), ("ple-bench-gpu", []),
+               ("ple-bench-tensor-parallel", ["--device", "cpu"]),
+               ("ple-bench-prefill", ["--quick", "--device", "cpu"])]
+HEAVY = {"torch", "numpy", "ple", "safetensors", "transformers"}
 
+
+def run_script(name: str, arguments: list[str]) -> tuple[subprocess.CompletedProcess, set[str]]:
+    """A console script as a user runs it, and the heavy modules it imported."""
+    run = subprocess.run([str(Path(sys.executable).with_name(name)), *arguments],
+                         capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONPROFILEIMPORTTIME": "1"})
+    imported = {line.rsplit("|", 1)[-1].strip() for line in run.stderr.splitlines()
+                if line.startswith("import time:")}
+    run.stderr = "".join(line for line in run.stderr.splitlines(keepends=True)
+                         if not line.startswith("import time:"))
+    return run, imported & HEAVY
+
+
+@pytest.mark.parametrize("tool, options", TABLE_TOOLS)
+def test_every_table_tool_refuses_a_saved_model_before_importing_torch(tool, options, tmp_path):
+    """Each tool's ``--table DIR``: the error, exit status 2, nothing written
+    or deleted, in a fraction of a second (the check comes before torch)."""
     save_a_model(tmp_path)
     before = directory_bytes(tmp_path)
-    main = importlib.import_module(f"ple_tools.{tool}").main
-    assert main(["--table", str(tmp_path), *options]) == 2
-    err = capsys.readouterr().err
-    assert err.endswith(
-        f"error: {foreign_files_message(tmp_path, ['model.safetensors', 'notes.txt'])}\n"), err
+    run, heavy = run_script(tool, ["--table", str(tmp_path), *options])
+    assert (run.returncode, run.stdout) == (2, ""), run.stderr
+    assert run.stderr == (
+        f"error: {foreign_files_message(tmp_path, ['model.safetensors', 'notes.txt'])}\n")
+    assert heavy == set()
     assert directory_bytes(tmp_path) == before
 
 
-def test_bench_transformers_refuses_a_saved_model(tmp_path, capsys):
+def record_of(tool: str, what: str, files: list[str]) -> str:
+    return json.dumps({"written_by": tool, "what": what, "complete": True, "files": files})
+
+
+def test_a_table_tool_names_a_checkpoint_another_tool_wrote(tmp_path):
+    """A directory of ple-bench-transformers' is no table: the error says
+    whose it is and what the tool writes, not that ple did not write it."""
+    (tmp_path / "model-small.safetensors").write_text("")
+    (tmp_path / "ple_bench.json").write_text(
+        record_of("ple-bench-transformers", "a checkpoint", ["model-small.safetensors"]))
+    (tmp_path / "notes.txt").write_text("")
+    before = directory_bytes(tmp_path)
+    run, heavy = run_script("ple-demo", ["--table", str(tmp_path)])
+    assert (run.returncode, run.stdout, heavy) == (2, "", set())
+    assert run.stderr == (
+        f"error: {tmp_path} holds a checkpoint that ple-bench-transformers wrote there (its "
+        "ple_bench.json lists the files), and 1 other file; ple writes a table only into a "
+        "missing or empty directory, or one holding a table that it wrote there itself (listed "
+        "in its layout.json), and deletes nothing else: name another directory\n")
+    assert directory_bytes(tmp_path) == before
+
+
+@pytest.mark.parametrize("tool, option, what, marker", [
+    ("ple-bench-transformers", "--dir", "a checkpoint", "ple_bench.json"),
+    ("ple-tiny-model", "--out", "the tiny model's tables", "ple_tiny_model.json")])
+def test_a_tool_names_a_table_ple_make_table_wrote(tool, option, what, marker, make_table,
+                                                    tmp_path):
+    make_table.ensure_table(tmp_path, **ARGUMENTS)
+    before = directory_bytes(tmp_path)
+    run, heavy = run_script(tool, [option, str(tmp_path)])
+    assert (run.returncode, run.stdout, heavy) == (2, "", set())
+    assert run.stderr == (
+        f"error: {tmp_path} holds a table that ple-make-table wrote there (its layout.json lists "
+        f"the files); ple writes {what} only into a missing or empty directory, or one holding "
+        f"{what} that it wrote there itself (listed in its {marker}), and deletes nothing else: "
+        "name another directory\n")
+    assert directory_bytes(tmp_path) == before
+
+
+def test_bench_transformers_refuses_a_saved_model(tmp_path):
     """``ple-bench-transformers --dir DIR`` writes its checkpoint by the same
     rule (its ple_bench.json lists the files)."""
-    from ple_tools import bench_transformers
-
     save_a_model(tmp_path)
     before = directory_bytes(tmp_path)
-    assert bench_transformers.main(["--dir", str(tmp_path), "--table-gib", "0.001"]) == 2
-    err = capsys.readouterr().err
+    run, heavy = run_script("ple-bench-transformers", ["--dir", str(tmp_path), "--table-gib",
+                                                       "0.001"])
+    assert (run.returncode, run.stdout, heavy) == (2, "", set())
     message = foreign_files_message(tmp_path, ["model.safetensors", "notes.txt"], "ple_bench.json")
-    assert err == f"error: {message}\n"
+    assert run.stderr == f"error: {message}\n"
     assert directory_bytes(tmp_path) == before
 
 
@@ -258,3 +314,17 @@ def test_bench_transformers_reuses_an_older_checkpoint(tmp_path):
         bench_transformers.ensure_checkpoint(tmp_path, 1000.0, torch.bfloat16, 1)
     assert str(error.value) == foreign_files_message(tmp_path, ["model.safetensors"],
                                                      "ple_bench.json")
+
+
+@pytest.mark.parametrize("layout, what", [
+    ({"rows": 10, "shards": 11, "files": 1}, "shards"),
+    ({"rows": 10, "shards": 2, "files": 3}, "files"),
+    ({"rows": 10**15, "row_bytes": 1, "shards": 10**7, "files": 1}, "shards")])
+def test_ensure_table_refuses_a_table_it_cannot_write_before_writing(make_table, layout, what,
+                                                                      tmp_path):
+    """ensure_table itself, as the tools call it once their arguments pass:
+    the same checks (tests/test_tools_cli.py has their messages)."""
+    with pytest.raises(make_table.LayoutError) as error:
+        make_table.ensure_table(tmp_path / "table", **{"row_bytes": 16, **layout})
+    assert error.value.what == what
+    assert not (tmp_path / "table").exists() and make_table.writes == []

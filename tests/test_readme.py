@@ -1,9 +1,12 @@
 """Every ``python`` and ``bash`` block of README.md and of docs/*.md runs as
-written: each page's blocks in order, each in a process of its own, in one
-empty directory (a block may read the files an earlier one wrote).  A block
-whose first line is ``# needs a GPU...`` runs only where CUDA is; blocks of
-another language (``text``: signatures; none: install and make lines) are
-shown, not run.  The counters table of docs/counters.md is ple.COUNTERS."""
+written, as the README says to run them: each page's blocks in order, each
+in a process of its own, in one empty directory outside the checkout (a
+block may read the files an earlier one wrote), with the environment of the
+running interpreter active (its scripts first on PATH, VIRTUAL_ENV set, as
+``. .venv/bin/activate`` leaves them).  A block whose first line is ``#
+needs a GPU...`` runs only where CUDA is; blocks of another language
+(``text``: signatures; none: install and make lines) are shown, not run.
+The counters table of docs/counters.md is ple.COUNTERS."""
 
 from __future__ import annotations
 
@@ -30,9 +33,13 @@ def runnable_blocks(page: Path) -> list[tuple[str, str]]:
 
 
 def run_blocks(page: Path, directory: Path) -> list[str]:
-    """Runs the page's blocks in ``directory``; returns what each printed.
-    The console scripts are those of the running interpreter's environment."""
+    """Runs the page's blocks in ``directory``, outside the checkout;
+    returns what each printed.  The console scripts are those of the running
+    interpreter's environment, activated."""
+    assert not directory.resolve().is_relative_to(REPO), directory
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    if sys.prefix != sys.base_prefix:  # a virtual environment's interpreter
+        env["VIRTUAL_ENV"] = sys.prefix
     printed = []
     for number, (language, code) in enumerate(runnable_blocks(page), 1):
         done = subprocess.run([*RUNNERS[language], code], cwd=directory, env=env,

@@ -34,21 +34,28 @@ def module_command(module: str, *args: str) -> list[str]:
     return [sys.executable, *safe_path, "-m", module, *args]
 
 
-def run_child(module: str, spec: dict, deadline_s: float) -> ChildRun:
+def run_child(module: str, spec: dict, deadline_s: float, sampler=None) -> ChildRun:
     """Runs ``module``'s child with ``spec`` (plus ``"out"``: the file it
-    writes its lines to) for at most ``deadline_s`` seconds."""
+    writes its lines to) for at most ``deadline_s`` seconds; ``sampler``
+    (a ple_tools.thread_profile.ThreadSampler) samples its threads from its
+    start to its end."""
     fd, out = tempfile.mkstemp(prefix="ple-arm-", suffix=".jsonl")
     os.close(fd)
     try:
         start = time.perf_counter()
         command = module_command(module, "--child", json.dumps({**spec, "out": out}))
         child = subprocess.Popen(command)
+        if sampler is not None:
+            sampler.start(child.pid)
         try:
             code, timed_out = child.wait(timeout=deadline_s), False
         except subprocess.TimeoutExpired:
             child.kill()  # SIGKILL: a throttled child may not get to handle SIGTERM soon
             child.wait()
             code, timed_out = None, True
+        finally:
+            if sampler is not None:
+                sampler.stop()
         seconds = time.perf_counter() - start
         with open(out) as handle:
             lines = [json.loads(line) for line in handle if line.endswith("\n")]

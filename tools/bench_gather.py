@@ -70,9 +70,12 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ple_tools.argtypes import (non_negative_int, positive_float, positive_int, positive_int_list,
-                                refuse_empty_table, seed)
+from ple_tools.argtypes import (OutputFile, gather_threads, io_block_bytes_list, io_queue_depth,
+                                io_queue_depth_list, non_negative_int, positive_float,
+                                positive_int, refuse_empty_table, refuse_over_memory,
+                                row_cache_mib, seconds, seed, window_kib, window_kib_list)
 from ple_tools.figures import add_json_option, parse_with_defaults, run_recorded
+from ple_tools.make_table import refuse_table
 
 if TYPE_CHECKING:  # for annotations; imported after parsing
     from ple_tools.table_layout import Layout
@@ -81,6 +84,8 @@ MiB = 2**20
 DEFAULTS = dict(table_gib=8.0, calls=16, rows=18000, windows="64,1024,4096,16384",
                 ceiling="32,64")
 QUICK = dict(table_gib=0.25, calls=4, rows=4000, windows="64,4096", ceiling="32")
+# What a busy process of --cpu-load takes: a Python interpreter.
+BUSY_PROCESS_BYTES = 16 << 20
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -109,12 +114,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--rows", type=positive_int,
                         help="random ids per call (default 18000; --quick 4000)")
     parser.add_argument("--seed", type=seed, default=0, help="seed of the ids (default 0)")
-    parser.add_argument("--windows", type=positive_int_list,
+    parser.add_argument("--windows", type=window_kib_list,
                         help="KiB budgets of the window:KiB arms, comma separated "
                         "(default 64,1024,4096,16384; --quick 64,4096)")
-    parser.add_argument("--distance", type=non_negative_int, default=4096,
+    parser.add_argument("--distance", type=window_kib, default=4096,
                         help="KiB of the distance:KiB arm (default 4096; 0: no arm)")
-    parser.add_argument("--ceiling", type=positive_int_list,
+    parser.add_argument("--ceiling", type=io_queue_depth_list,
                         help="queue depths of the ceiling:DEPTH arms, comma "
                         "separated (default 32,64; --quick 32; empty: none)")
     parser.add_argument("--ceiling-engine", choices=("aio", "threads"), default="aio",
@@ -125,20 +130,21 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--no-prime", dest="prime", action="store_false",
                         help="skip the pass that reads every call's pages once with O_DIRECT "
                         "before the arms (see above)")
-    parser.add_argument("--threads", type=positive_int,
+    parser.add_argument("--threads", type=gather_threads,
                         help="GatherConfig.threads (default: its default)")
-    parser.add_argument("--direct-cache", type=non_negative_int, default=256, metavar="MiB",
+    parser.add_argument("--direct-cache", type=row_cache_mib, default=256, metavar="MiB",
                         help="row cache of the direct-cache:MiB arm (default 256; 0: no such arm)")
-    parser.add_argument("--direct-blocks", type=positive_int_list, default="", metavar="BYTES,...",
+    parser.add_argument("--direct-blocks", type=io_block_bytes_list, default="",
+                        metavar="BYTES,...",
                         help="io_block_bytes of direct-block:BYTES arms, comma separated "
                              "(default none)")
-    parser.add_argument("--direct-depths", type=positive_int_list, default="", metavar="N,...",
+    parser.add_argument("--direct-depths", type=io_queue_depth_list, default="", metavar="N,...",
                         help="io_queue_depth of direct-depth:N arms, comma separated "
                              "(default none)")
     parser.add_argument("--no-direct", dest="direct", action="store_false",
                         help="leave out every direct arm (direct, direct-cache, direct-block, "
                              "direct-depth)")
-    parser.add_argument("--io-queue-depth", type=positive_int, metavar="N",
+    parser.add_argument("--io-queue-depth", type=io_queue_depth, metavar="N",
                         help="GatherConfig.io_queue_depth of the direct arms other than "
                              "direct-depth:N (default: its default)")
     parser.add_argument("--cpu-load", type=non_negative_int, default=0, metavar="N",
@@ -164,11 +170,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "page tables of the mapped table are charged to the group as well (about "
                         "25 MiB for random rows over an 8 GiB table): the tool prints the page "
                         "cache room that is really left")
-    parser.add_argument("--arm-timeout", type=positive_float, default=600, metavar="S",
+    parser.add_argument("--arm-timeout", type=seconds, default=600, metavar="S",
                         help="with --memory-limit, an arm's child still running after S seconds "
                         "is killed and the arm reported as timed out (default 600)")
     add_json_option(parser)
-    parser.add_argument("--plot", type=Path, metavar="PATH",
+    parser.add_argument("--plot", action=OutputFile, metavar="PATH",
                         help="write a PNG of time per call and bytes read per arm (needs matplotlib)")
     parser.add_argument("--quick", action="store_true",
                         help="a run of under a minute: 256 MiB table, 4 calls of 4000 rows, "
@@ -177,7 +183,23 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = parse_with_defaults(parser, argv, DEFAULTS, QUICK)
     if args.table_rows is None:
         refuse_empty_table(parser, "--table-gib", args.table_gib * 2**30, args.row_bytes)
+    # Every call's ids, held for all the arms, and a call's rows (twice: the
+    # output and the NumPy arm's).
+    refuse_over_memory(parser, "--rows",
+                       args.calls * args.rows * 8 + 2 * args.rows * args.row_bytes,
+                       f"{args.calls:,} calls of {args.rows:,} ids (and a call's rows)")
+    refuse_over_memory(parser, "--cpu-load", args.cpu_load * BUSY_PROCESS_BYTES,
+                       f"{args.cpu_load:,} busy Python processes")
+    if not args.child:
+        refuse_table(parser, args.table, rows=table_rows(args), row_bytes=args.row_bytes,
+                     shards=args.shards, files=args.files,
+                     options={"directory": "--table", "shards": "--shards", "files": "--files",
+                              "size": "--table-rows" if args.table_rows else "--table-gib"})
     return args
+
+
+def table_rows(args: argparse.Namespace) -> int:
+    return args.table_rows or int(args.table_gib * 2**30) // args.row_bytes
 
 
 def arm_list(args) -> list[str]:
@@ -321,18 +343,12 @@ def run(args: argparse.Namespace) -> tuple[int, dict | None]:
     from ple_tools import report
     from ple_tools.cpu_load import BusyProcesses
     from ple_tools.demo import make_requests
-    from ple_tools.gather_arms import arm_config, new_pages_per_call
+    from ple_tools.gather_arms import new_pages_per_call
     from ple_tools.make_table import PREFIX, ensure_table
     from ple_tools.table_layout import Layout
 
     gathering = arm_list(args)
-    for arm in gathering:  # a config GatherConfig refuses fails now, not after the other arms
-        try:
-            arm_config(arm, args.threads, args.io_queue_depth)
-        except ValueError as error:
-            print(f"bench_gather: arm {arm}: {error}", file=sys.stderr)
-            return 2, None
-    num_rows = args.table_rows or int(args.table_gib * 2**30) // args.row_bytes
+    num_rows = table_rows(args)
     ensure_table(args.table, rows=num_rows, row_bytes=args.row_bytes, shards=args.shards,
                  files=args.files)
     layout = Layout.open(args.table, PREFIX)

@@ -12,8 +12,11 @@ host-to-device copy, kernel), and a plain PyTorch baseline (NumPy fancy
 indexing of a memmap, torch.from_numpy, .to("cuda"), decode in torch).
 Cold calls drop the table's pages first; the baseline's memmap is opened
 for its own calls only, so that no other mapping keeps the pages.  Then:
-a graph of one tiny kernel (the floor of a replay), the doorbell graph and
-the tiny kernel's graph replayed after pauses, the operator with the table
+a graph of one tiny kernel (the floor of a replay), the doorbell graph (as
+it is, and with its thread kept spinning), the host-node graph and the tiny
+kernel's graph replayed after pauses of 0, 20, 500 ms and 5 s (by turns),
+with who answered the doorbell's rings and its thread's CPU time per
+second of the pauses and of an idle second, the operator with the table
 in tiers (eager, and 16 rows replayed in a CUDA graph), where the host time
 of one small eager call goes, and the copy bandwidths.
 """
@@ -23,6 +26,7 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+from collections import defaultdict
 import sys
 import time
 from pathlib import Path
@@ -30,6 +34,7 @@ from typing import TYPE_CHECKING
 
 from ple_tools.argtypes import positive_float, positive_int, refuse_empty_table
 from ple_tools.figures import add_json_option, run_recorded
+from ple_tools.make_table import refuse_table
 
 if TYPE_CHECKING:  # for annotations; imported after parsing
     import torch
@@ -259,16 +264,105 @@ def host_overhead(table, calls: int, gen: torch.Generator, device) -> dict[str, 
     return result
 
 
-def pause_rows(graph, calls: int, pauses_ms=(0, 20, 500)) -> dict[str, float]:
-    """Median replay time of a graph after each pause.  A doorbell graph's
-    doorbell thread spins after a ring, then polls more slowly
-    (doorbell_gather.cpp); a graph without one shows what a pause costs the
-    GPU and the driver alone."""
+PAUSES_MS = (0, 20, 500, 5000)
+DOORBELL_THREAD = "ple-doorbell"  # the doorbell thread's name (kernels/doorbell_gather.cpp)
+# The goal of a doorbell replay after a pause: at most this times the host-node graph's.
+PAUSE_GOAL = 1.2
+# The seconds of pauses a pause row may take at most (rows of long pauses take
+# fewer turns, 3 at least).
+PAUSE_ROW_S = 30.0
+
+
+def thread_cpu_ns(name: str) -> int | None:
+    """CPU time so far of this process's threads called ``name``, in ns
+    (/proc/self/task/*/schedstat; None where no thread has that name)."""
+    found = None
+    for task in Path("/proc/self/task").iterdir():
+        try:
+            if (task / "comm").read_text().strip() == name:
+                found = (found or 0) + int((task / "schedstat").read_text().split()[0])
+        except (OSError, ValueError, IndexError):
+            continue
+    return found
+
+
+def pause_turns(pause_ms: int, arms: int, calls: int) -> int:
+    """Turns of a pause row: calls // 5 (5 at least), fewer where their
+    pauses would take more than PAUSE_ROW_S, 3 at the least."""
+    turns = max(5, calls // 5)
+    if pause_ms:
+        turns = min(turns, int(PAUSE_ROW_S / (pause_ms / 1e3 * arms)))
+    return max(3, turns)
+
+
+def pause_rows(graphs: dict, calls: int) -> dict[str, dict]:
+    """Per pause of PAUSES_MS: each graph's median replay after it (the
+    graphs by turns, each replay after its own pause), the doorbell
+    thread's CPU time per second of the row's graphs but the spinning one
+    (ms/s: at pause 0 while replays run back to back; after a pause the spin
+    after a replay, and the checks of its sleep), and who answered the
+    doorbell graph's rings (its wake-up node or the thread; the spinning
+    one's are the thread's).  ``graphs``
+    holds "doorbell" (replayed as it is, and as "doorbell_spinning" with the
+    doorbell thread kept spinning through the pause: what is left of a
+    replay's cost after a pause once nothing must wake), "host_func" and
+    "tiny" (one kernel: what a pause costs the GPU and the driver alone)."""
+    from ple.kernels.native import native
+
+    arms = {name: (lambda i, g=g: g.replay()) for name, g in graphs.items()}
+    arms["doorbell_spinning"] = arms["doorbell"]
     result = {}
-    for pause in pauses_ms:
-        before = (lambda i, pause=pause: time.sleep(pause / 1e3)) if pause else None
-        result[f"after_{pause}ms_us"] = median_us(lambda i: graph.replay(), max(5, calls // 5), before)
+    for pause in PAUSES_MS:
+        # The thread's CPU, the seconds and who answered, from one arm's turn
+        # to the next, by arm: a turn is its pause and its replay.
+        cpu, seconds = defaultdict(int), defaultdict(float)
+        answers = defaultdict(lambda: defaultdict(int))
+        last = {"arm": None, "cpu": None, "at": 0.0, "counts": None, "spins": False}
+
+        def account() -> None:
+            now, used = time.perf_counter(), thread_cpu_ns(DOORBELL_THREAD)
+            counts = native.doorbell_counts()
+            if last["arm"] is not None:
+                if None not in (used, last["cpu"]):
+                    cpu[last["arm"]] += used - last["cpu"]
+                seconds[last["arm"]] += now - last["at"]
+                for key, value in counts.items():
+                    answers[last["arm"]][key] += value - last["counts"][key]
+            last.update(cpu=used, at=now, counts=counts)
+
+        def before(i, name, pause=pause):
+            account()
+            last["arm"] = name
+            spins = name == "doorbell_spinning"
+            if spins != last["spins"]:
+                native.set_doorbell_always_spins(spins)
+                last["spins"] = spins
+            time.sleep(pause / 1e3)
+
+        try:
+            replays = by_turns(arms, pause_turns(pause, len(arms), calls), before)
+            account()
+        finally:
+            native.set_doorbell_always_spins(False)
+        row = {f"{name}_us": us for name, us in replays.items()}
+        row["doorbell_over_host_func"] = row["doorbell_us"] / row["host_func_us"]
+        unspun = [arm for arm in seconds if arm != "doorbell_spinning"]
+        row["doorbell_thread_cpu_ms_per_s"] = (
+            sum(cpu[arm] for arm in unspun) / 1e6 / sum(seconds[arm] for arm in unspun)
+            if unspun else None)
+        row["answers"] = dict(answers["doorbell"])
+        result[f"after_{pause}ms"] = row
     return result
+
+
+def idle_cpu_ms_per_s(seconds: float = 1.0) -> float | None:
+    """The doorbell thread's CPU time per second while no graph runs, over
+    ``seconds`` from a moment after the last replay."""
+    time.sleep(0.1)  # past the spin after the last replay
+    cpu0 = thread_cpu_ns(DOORBELL_THREAD)
+    time.sleep(seconds)
+    cpu1 = thread_cpu_ns(DOORBELL_THREAD)
+    return None if cpu0 is None or cpu1 is None else (cpu1 - cpu0) / 1e6 / seconds
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -289,6 +383,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     add_json_option(parser)
     args = parser.parse_args(argv)
     refuse_empty_table(parser, "--mib", args.mib * 2**20, ROW_BYTES)
+    refuse_table(parser, args.table, rows=int(args.mib * 2**20) // ROW_BYTES, row_bytes=ROW_BYTES,
+                 shards=1, files=1, options={"directory": "--table", "size": "--mib"})
     return args
 
 
@@ -326,6 +422,8 @@ def run(args: argparse.Namespace) -> tuple[int, dict | None]:
         fmt, scale = table.row_format, table.scale
         baseline = Baseline(path, shard.offset, num_rows, scale, device)
         gen = torch.Generator().manual_seed(0)
+        tiny = torch.zeros(1, device=device)
+        floor_graph = capture(lambda: tiny.add_(1))
         results = []
         for state in ("warm", "cold"):
             if state == "warm":
@@ -365,7 +463,8 @@ def run(args: argparse.Namespace) -> tuple[int, dict | None]:
                 row["graph_doorbell_us"], row["graph_host_func_us"] = (
                     replays["doorbell"], replays["host_func"])
                 if state == "warm" and n == SIZES[0]:
-                    machine["doorbell_pauses"] = pause_rows(graphs["doorbell"], calls)
+                    machine["pauses"] = pause_rows({**graphs, "tiny": floor_graph}, calls)
+                    machine["doorbell_idle_cpu_ms_per_s"] = idle_cpu_ms_per_s()
                 del graphs
 
                 pinned = PinnedBuffer(n * ROW_BYTES)
@@ -397,10 +496,7 @@ def run(args: argparse.Namespace) -> tuple[int, dict | None]:
                 results.append(row)
                 print(f"  {state} {n} rows done", file=sys.stderr)
 
-        tiny = torch.zeros(1, device=device)
-        floor_graph = capture(lambda: tiny.add_(1))
         machine["tiny_graph_us"] = median_us(lambda i: floor_graph.replay(), args.calls)
-        machine["tiny_graph_pauses"] = pause_rows(floor_graph, args.calls)
         read_whole_file(path)  # the cold pass emptied the page cache
         tiers = tier_rows(table, args.calls, gen, device)
         host = host_overhead(table, args.calls, gen, device)
@@ -417,9 +513,35 @@ def run(args: argparse.Namespace) -> tuple[int, dict | None]:
     return 0, {"machine": machine, "cases": results, "tiers": tiers, "host": host}
 
 
-def pauses_text(pauses: dict[str, float]) -> str:
-    return ", ".join(f"{key.removeprefix('after_').removesuffix('_us')} {us:.1f} us"
-                     for key, us in pauses.items())
+def pauses_lines(pauses: dict[str, dict], idle_cpu: float | None) -> list[str]:
+    """The replays after each pause: the doorbell graph against the host-node
+    graph (goal: at most PAUSE_GOAL times), the doorbell graph with its thread
+    kept spinning, the one-kernel graph, the doorbell thread's CPU time and
+    who answered the doorbell's rings."""
+    def ms_per_s(value: float | None) -> str:
+        return "-" if value is None else f"{value:.2f}"
+
+    indent = " " * 2
+    lines = ["16 warm rows in a graph, replayed after a pause (median us; by turns):",
+             f"{indent}{'pause':>6} {'doorbell':>9} {'host node':>9} {'ratio':>6} "
+             f"{'spinning':>9} {'one kernel':>10} {'thread CPU ms/s':>15} "
+             f"{'by node':>7} {'by thread':>9}"]
+    for key, row in pauses.items():
+        answers = row.get("answers", {})
+        lines.append(
+            f"{indent}{key.removeprefix('after_'):>6} {row['doorbell_us']:>9.1f} "
+            f"{row['host_func_us']:>9.1f} {row['doorbell_us'] / row['host_func_us']:>5.2f}x "
+            f"{row['doorbell_spinning_us']:>9.1f} {row['tiny_us']:>10.1f} "
+            f"{ms_per_s(row['doorbell_thread_cpu_ms_per_s']):>15} "
+            f"{answers.get('by_node', '-'):>7} {answers.get('by_thread', '-'):>9}")
+    lines.append(f"{indent}ratio: doorbell / host node (goal <= {PAUSE_GOAL:g}x after each pause); "
+                 "spinning: the doorbell graph with its thread kept spinning through the pause; "
+                 "thread CPU: the doorbell thread's over the row's turns but the spinning graph's (at 0ms "
+                 "while replays run); "
+                 "by node / by thread: who answered the doorbell graph's rings")
+    lines.append(f"{indent}the doorbell thread idle for a second: {ms_per_s(idle_cpu)} ms/s of CPU "
+                 "(goal <= 1)")
+    return lines
 
 
 def report(machine: dict, results: list[dict], tiers: list[dict], host: dict) -> None:
@@ -436,10 +558,7 @@ def report(machine: dict, results: list[dict], tiers: list[dict], host: dict) ->
           "host_gather_us: table.gather_bytes alone, timed on the host; native_us: the time "
           "inside the native gather")
     print(f"\na graph of one tiny kernel: {machine['tiny_graph_us']:.1f} us a replay (the floor)")
-    print("doorbell graph, 16 warm rows, replayed after a pause: "
-          + pauses_text(machine["doorbell_pauses"]))
-    print("graph of one tiny kernel, replayed after a pause:   "
-          + pauses_text(machine["tiny_graph_pauses"]))
+    print("\n".join(pauses_lines(machine["pauses"], machine["doorbell_idle_cpu_ms_per_s"])))
     print(f"\ntiers (warm, eager, median us): {'split':<7} {'device_rows':>12} {'host_rows':>12} "
           f"{'place_s':>8} " + " ".join(f"{n:>9}" for n in SIZES) + f" {'graph_' + str(SIZES[0]):>9}")
     for r in tiers:

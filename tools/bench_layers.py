@@ -23,9 +23,10 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ple_tools.argtypes import (non_negative_float, positive_float, positive_int,
-                                refuse_empty_table, seed)
+from ple_tools.argtypes import (milliseconds, positive_float, positive_int, refuse_empty_table,
+                                refuse_over_memory, seed)
 from ple_tools.figures import add_json_option, run_recorded
+from ple_tools.make_table import refuse_table
 
 if TYPE_CHECKING:  # for annotations; imported after parsing
     import torch
@@ -35,6 +36,7 @@ VOCAB_SIZE = 262_144
 ROW_BYTES = 160
 EOS_ID = 1
 REQUESTS = 4
+HEADS = 16  # the layer's: 2-grams and 3-grams, 8 heads each
 MODES = ("cold", "prefetch", "warm")
 
 
@@ -87,13 +89,26 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--tokens", type=positive_int, default=2048,
                         help="tokens per step (default 2048)")
     parser.add_argument("--steps", type=positive_int, default=8, help="steps per mode (default 8)")
-    parser.add_argument("--compute-ms", type=non_negative_float, default=50.0,
+    parser.add_argument("--compute-ms", type=milliseconds, default=50.0,
                         help="ms of sleep after each forward, standing for the rest of the "
                         "model's step (default 50)")
     parser.add_argument("--seed", type=seed, default=0, help="seed of the tokens (default 0)")
     add_json_option(parser)
     args = parser.parse_args(argv)
     refuse_empty_table(parser, "--table-gib", args.table_gib * 2**30, ROW_BYTES)
+    # Every mode's outputs, kept to compare them: a token's heads of bf16 rows.
+    refuse_over_memory(parser, "--tokens", len(MODES) * args.steps * args.tokens * HEADS * ROW_BYTES
+                       * 2, f"{len(MODES)} modes of {args.steps:,} steps of {args.tokens:,} tokens")
+    num_rows = int(args.table_gib * 2**30) // ROW_BYTES
+    refuse_table(parser, args.table, rows=num_rows, row_bytes=ROW_BYTES,
+                 options={"directory": "--table", "size": "--table-gib"})
+    from ple.layers import NGramHashing  # torch: the arguments are good so far
+
+    hashing = NGramHashing(vocab_size=VOCAB_SIZE, eos_id=EOS_ID, base_size=max(1, num_rows // 17))
+    if hashing.rows > num_rows:
+        parser.error(f"argument --table-gib: the layer's hashing ({hashing.heads} heads of primes "
+                     f"from {hashing.base_size:,}) takes {hashing.rows:,} rows, more than the "
+                     f"table's {num_rows:,}")
     return args
 
 
@@ -111,7 +126,7 @@ def run(args: argparse.Namespace) -> tuple[int, list[dict]]:
     num_rows = int(args.table_gib * 2**30) // ROW_BYTES
     ensure_table(args.table, rows=num_rows, row_bytes=ROW_BYTES)
     # 16 heads of consecutive primes from base_size must fit in the table.
-    base_size = num_rows // 17
+    base_size = max(1, num_rows // 17)
     layer = NGramEmbedding.from_safetensors(args.table, PREFIX, vocab_size=VOCAB_SIZE, eos_id=EOS_ID,
                                             base_size=base_size, dtype=torch.bfloat16)
     steps = make_steps(args.tokens, args.steps, args.seed)

@@ -7,7 +7,7 @@ cgroup), each bounded in time.
                       [--ranks PATH] [--caches 512] [--compute-ms N] [--device cpu|cuda]
                       [--model-layers N [--model-hidden 2048] [--model-experts 64]]
                       [--memory-limit MiB --ballast MiB] [--deadline S] [--arms A,...]
-                      [--json PATH] [--quick]
+                      [--thread-profile] [--json PATH] [--quick]
     (or python tools/bench_prefill.py ...)
 
 The layer is ``ple.layers.NGramEmbedding`` with Flash-Next's hashing
@@ -52,12 +52,17 @@ it.  The arms then are:
                   (lookahead_mib=--lookahead-mib)
   lookahead-direct-cache:MiB   the same over direct I/O with a row cache
 
-The model is built and warmed up (a chunked prefill of 32 tokens) before
-the arm enters its memory cgroup (its CUDA context, weights and libraries
-are not charged to it, nor timed), and so is the layer of an arm without a
-model (a call of 32 tokens); the arms through the model must
-give the same first token and logits (their SHA-256), the reads arms the
-same rows as the arms of the layer alone.
+Each arm's child warms up before the arm enters its memory cgroup (its
+CUDA context, weights and libraries are not charged to it, nor timed):
+compiles, kernel choices and libraries are per process, so every child
+runs a chunk of each shape its arm will (the first, a full one after
+others, the last) before it is timed.  An arm that reads the table does so
+through the same model (or layer), reader and lookahead over a small table
+of its own (base 1,000, written once per run in a temporary directory), so
+that it reads nothing the arm will read; the compute arm warms up on its
+own model.  The arms through the model must give the same first token and
+logits (their SHA-256), the reads arms the same rows as the arms of the
+layer alone.
 
 Before each arm the table's pages are dropped from the page cache.  Under
 --memory-limit each arm's child runs in a memory cgroup (tools/cgroup.py:
@@ -83,10 +88,24 @@ chunk before are done) and lookahead over it.
 Through a model, where one of those arms timed out, it prints the same
 ratios over the first chunks that they all finished, as not the goals.
 
-Per arm: time (total, forwards, compute, per chunk), distinct pages the
+--thread-profile samples each arm's child every 10 ms from this process
+(/proc/PID/task/*/stat: ple_tools.thread_profile; the child pays nothing)
+and reports, per group of its threads (by name: the main thread; ple's
+ple-gather, ple-prefetch, ple-io, ple-doorbell; CUDA's and torch's), their
+CPU seconds in each phase of the chunks (through a model: the main thread
+inside ple's layer, and the rest of the chunk; the layer alone: its
+forward, and the compute after it), and how often more of the child's
+threads were runnable than the CPUs it may use.
+
+Per arm: time (total, forwards, compute, per chunk: the median, the first
+and the largest), the warm-up's time, distinct pages the
 gathers touched (summed over chunks: Table.stats' unique_pages) against the
-prompt's distinct pages, bytes read from disk (/proc/self/io), major faults,
-row-cache hits, prefetch hits (docs/counters.md), the SHA-256 of the
+prompt's distinct pages, bytes read from disk (/proc/self/io: the whole
+process's, its libraries' too), major faults, row-cache hits, prefetch hits
+(docs/counters.md), in the JSON document the bytes of the table's pages
+that the arm brought into the page cache (``table_cached_bytes``: mincore
+of the table's files before and after the arm; direct reads bypass it, and
+a page read and evicted again is not counted), the SHA-256 of the
 output rows (bf16, in prompt order), and under --memory-limit the cgroup's
 peak and the seconds its tasks stalled on memory (PSI: reclaim, and
 memory.high's throttling, which can hold a task for up to 2 s).  Every
@@ -125,9 +144,11 @@ import tempfile
 import time
 from pathlib import Path
 
-from ple_tools.argtypes import (non_negative_float, non_negative_int, positive_float, positive_int,
-                                positive_int_list)
+from ple_tools.argtypes import (MAX_ROW_CACHE_MIB, InputFile, OutputFile, lookahead_mib,
+                                milliseconds, non_negative_int, positive_int,
+                                refuse_over_memory, row_cache_mib_list, seconds, size)
 from ple_tools.figures import add_json_option, parse_with_defaults, run_recorded
+from ple_tools.make_table import refuse_directory, refuse_table
 
 MiB = 2**20
 # Flash-Next's n-gram hashing (vocab, EOS, 3-grams of 8 heads, seed 1234): PLE layer 0.
@@ -344,7 +365,7 @@ def model_of(spec: dict, table_files):
 
     from ple_tools import prefill_model
 
-    base, files = (spec["ngram_base"], table_files) if table_files else (1000, None)
+    base, files = (spec["ngram_base"], table_files) if table_files else (OWN_TABLE_BASE, None)
     config = prefill_model.flash_next_config(
         layers=spec["model_layers"], experts=spec["model_experts"], hidden=spec["model_hidden"],
         hashing=FLASH_NEXT, base=base, shards=spec["shards"])
@@ -354,36 +375,94 @@ def model_of(spec: dict, table_files):
                                lookahead_mib=ahead)
 
 
-WARM_UP_TOKENS = 32
+# The compute arm's own table, and the small table every arm warms up on.
+OWN_TABLE_BASE = 1000
+
+
+def warm_up_tokens(spec: dict) -> "np.ndarray":
+    """The warm-up's prompt: the prompt's first two chunks and as many
+    tokens as its last chunk has, so that the warm-up runs a chunk of every
+    shape the arm will: the first (no cache before it), a full one after
+    others, and the last."""
+    import numpy as np
+
+    tokens = np.load(spec["tokens_path"])
+    chunk = spec["chunk"]
+    tail = len(tokens) % chunk
+    return tokens[:min(len(tokens), 2 * chunk + tail)]
 
 
 def warm_up(model, spec: dict) -> None:
-    """A chunked prefill of a few tokens, outside the memory cgroup: the
-    libraries and kernels the first forward loads (cuBLAS's among them,
+    """A chunked prefill of warm_up_tokens, outside the memory cgroup: the
+    libraries and kernels the first forwards load (cuBLAS's among them,
     hundreds of MiB of file pages) are not charged to the arm's cgroup, which
-    they would throttle, nor timed."""
+    they would throttle, nor timed, and what a first chunk of each shape
+    compiles or tunes (Triton's and torch's kernels, on a fresh machine a
+    second or more) is done before the arm's first chunk."""
     import torch
 
-    prompt = torch.arange(1, WARM_UP_TOKENS + 1, device=spec["device"]).view(1, -1)
+    prompt = torch.from_numpy(warm_up_tokens(spec)).view(1, -1).to(spec["device"])
     with torch.no_grad():
-        model.generate(prompt, max_new_tokens=1, do_sample=False, prefill_chunk_size=16)
+        model.generate(prompt, max_new_tokens=1, do_sample=False,
+                       prefill_chunk_size=spec["chunk"])
+    if prompt.device.type == "cuda":
+        torch.cuda.synchronize()
 
 
-def warm_up_layer(layer, spec: dict) -> None:
-    """The layer arms' ``warm_up``: a call of a few tokens, so that an arm's
-    first chunk is not also the process's CUDA start and the decoder's first
-    launch (about a second on the H200)."""
+def warm_up_on_own_table(spec: dict) -> None:
+    """The warm-up of an arm whose model reads the table: the same model over
+    the small warm-up table (``spec["warm_table"]``), read as the arm reads
+    (its reader, its lookahead), so that it reads nothing the arm will read;
+    the model is dropped after, and its table closed."""
+    import gc
+
     import torch
+
+    from ple.integrations.transformers import close_tables
+    from ple_tools.make_table import PREFIX
+    from ple_tools.table_layout import Layout
+
+    files = Layout.open(Path(spec["warm_table"]), PREFIX).paths
+    model = model_of({**spec, "ngram_base": OWN_TABLE_BASE}, files)
+    warm_up(model, spec)
+    close_tables(model)
+    del model
+    gc.collect()
+    if spec["device"] == "cuda":
+        torch.cuda.empty_cache()
+
+
+def warm_up_layer(spec: dict) -> None:
+    """The layer arms' warm-up: the layer over the small warm-up table, read
+    as the arm reads, called on chunks of every shape of the arm's (the first,
+    a full one with its context, the last), so that an arm's first chunk is
+    not also the process's CUDA start and the decoder's first launch (about
+    a second on the H200)."""
+    import torch
+
+    import ple
+    from ple.layers import NGramEmbedding
+    from ple_tools.make_table import PREFIX
 
     device = torch.device(spec["device"])
-    layer(torch.arange(1, WARM_UP_TOKENS + 1, device=device))
-    if device.type == "cuda":
-        torch.cuda.synchronize()
+    tokens = torch.from_numpy(warm_up_tokens(spec))
+    table = ple.Table.from_safetensors(spec["warm_table"], PREFIX, arm_config(spec["arm"]))
+    with table:
+        layer = NGramEmbedding(table, hashing_of(OWN_TABLE_BASE), dtype=torch.bfloat16)
+        ctx = layer.hashing.context_size
+        for first in range(0, len(tokens), spec["chunk"]):
+            ids = tokens[first:first + spec["chunk"]]
+            context = tokens[first - ctx:first].reshape(1, ctx) if first >= ctx else None
+            layer(ids.to(device), context=None if context is None else context.to(device))
+        if device.type == "cuda":
+            torch.cuda.synchronize()
 
 
 def run_model_arm(spec: dict, model, write_line) -> dict:
     """``generate``s one token after the prompt, prefilled in chunks; writes
-    a line per chunk's forward; returns the arm's record."""
+    a line per chunk's forward (with its start and end, and with
+    ``spec["thread_profile"]`` the intervals the main thread spent in ple's
+    layers: time.monotonic()); returns the arm's record."""
     import numpy as np
     import torch
 
@@ -392,18 +471,29 @@ def run_model_arm(spec: dict, model, write_line) -> dict:
 
     table = next(iter(tables(model).values()), None)
     prompt = torch.from_numpy(np.load(spec["tokens_path"])).view(1, -1).to(spec["device"])
-    marks = []
+    marks, stamps, gathers = [], [], []
 
     before = table.stats() if table else {}
     read0 = disk_read_bytes()
 
     def mark_chunk(*_):
         marks.append(time.perf_counter())
+        stamps.append(time.monotonic())
         if len(marks) > 1:
             write_line({"chunk": len(marks) - 2, "forward_s": marks[-1] - marks[-2],
-                        "compute_s": 0.0, "reads": reads_record(table, before, read0)})
+                        "compute_s": 0.0, "reads": reads_record(table, before, read0),
+                        "t_start": stamps[-2], "t_end": stamps[-1], "in_ple": gathers[:]})
+            gathers.clear()
 
-    hook = model.register_forward_pre_hook(mark_chunk)
+    hooks = [model.register_forward_pre_hook(mark_chunk)]
+    if spec.get("thread_profile"):
+        served = tables(model)
+        layers = [module for name, module in model.named_modules() if name in served]
+        for layer in layers:
+            hooks.append(layer.register_forward_pre_hook(
+                lambda *_: gathers.append([time.monotonic(), None])))
+            hooks.append(layer.register_forward_hook(
+                lambda *_: gathers[-1].__setitem__(1, time.monotonic())))
     start = time.perf_counter()
     with torch.no_grad():
         out = model.generate(prompt, max_new_tokens=1, do_sample=False,
@@ -412,7 +502,8 @@ def run_model_arm(spec: dict, model, write_line) -> dict:
     if prompt.device.type == "cuda":
         torch.cuda.synchronize()
     total = time.perf_counter() - start
-    hook.remove()
+    for hook in hooks:
+        hook.remove()
     mark_chunk()  # the last chunk's end (generate's one token comes from its logits)
     digest = hashlib.sha256(out.sequences[0, -1:].cpu().numpy().tobytes())
     digest.update(out.logits[0].cpu().view(torch.int16).numpy().tobytes())
@@ -458,17 +549,18 @@ def run_arm(spec: dict, layer, write_line) -> dict:
         for index, first in enumerate(range(0, len(tokens), chunk)):
             ids = tokens[first:first + chunk]
             context = tokens[first - ctx:first].reshape(1, ctx) if first >= ctx else None
-            t0 = time.perf_counter()
+            t0, m0 = time.perf_counter(), time.monotonic()
             rows = layer(ids.to(device), context=None if context is None else context.to(device))
             if device.type == "cuda":
                 torch.cuda.synchronize()
-            t1 = time.perf_counter()
+            t1, m1 = time.perf_counter(), time.monotonic()
             compute.run()
-            t2 = time.perf_counter()
+            t2, m2 = time.perf_counter(), time.monotonic()
             forward_s, compute_s = forward_s + t1 - t0, compute_s + t2 - t1
             digest.update(rows.cpu().view(torch.int16).numpy().tobytes())  # untimed
             write_line({"chunk": index, "forward_s": t1 - t0, "compute_s": t2 - t1,
-                        "reads": reads_record(table, before, read0)})
+                        "reads": reads_record(table, before, read0), "t_start": m0,
+                        "t_forward_end": m1, "t_end": m2})
     finally:
         if looks_ahead(spec["arm"]):
             layer.end_lookahead()
@@ -492,16 +584,22 @@ def child_main(spec_json: str) -> None:
 
     spec = json.loads(spec_json)
     through_model = spec["model_layers"] and split_arm(spec["arm"])[0] != READS
+    # Every warm-up before the arm's table is opened: it reads nothing of it.
+    warm_start = time.perf_counter()
     if through_model:
         from ple_tools.table_layout import Layout
 
-        files = None if spec["arm"] == COMPUTE else Layout.open(Path(spec["table"]), PREFIX).paths
-        model = model_of(spec, files)
-        warm_up(model, spec)
+        if spec["arm"] == COMPUTE:
+            model = model_of(spec, None)
+            warm_up(model, spec)  # its own table, in device memory
+        else:
+            warm_up_on_own_table(spec)
+            model = model_of(spec, Layout.open(Path(spec["table"]), PREFIX).paths)
     else:
+        warm_up_layer(spec)
         table = ple.Table.from_safetensors(spec["table"], PREFIX, arm_config(spec["arm"]))
         layer = NGramEmbedding(table, hashing_of(spec["ngram_base"]), dtype=torch.bfloat16)
-        warm_up_layer(layer, spec)
+    warm_up_s = time.perf_counter() - warm_start
     group = None
     if spec["cgroup"]:
         group = MemoryCgroup.attach(spec["cgroup"], spec["cgroup_version"], spec["limit"])
@@ -514,6 +612,7 @@ def child_main(spec_json: str) -> None:
     else:
         with table:
             record = run_arm(spec, layer, lambda line: write_line(spec, line))
+    record["warm_up_s"] = warm_up_s
     if group is not None:
         record["cgroup"] = {"limit_bytes": group.limit, "ballast_bytes": spec["ballast"],
                             "peak": group.peak(), "oom_kills": group.oom_kills(),
@@ -521,19 +620,22 @@ def child_main(spec_json: str) -> None:
     write_line(spec, {"result": record})
 
 
-def run_arm_child(args, arm: str, index: int, paths, tokens_path: Path) -> dict:
+def run_arm_child(args, arm: str, index: int, paths, tokens_path: Path, warm_table: Path) -> dict:
     """Drops the table's pages, runs `arm` in its child (in a cgroup of its
     own under --memory-limit) within --deadline; returns its record: the
-    result, or the error or timeout with the chunks done."""
+    result, or the error or timeout with the chunks done; with
+    --thread-profile, its threads' CPU by phase."""
     from ple_tools.arm_child import run_child
     from ple_tools.cgroup import MemoryCgroup
-    from ple_tools.gather_arms import drop_files
+    from ple_tools.gather_arms import cached_bytes, drop_files
+    from ple_tools.thread_profile import ThreadSampler, attribute
 
     group = None
     if args.memory_limit is not None:
         group = MemoryCgroup(f"ple-bench-{os.getpid()}-{index}", args.memory_limit + cache_mib(arm))
     try:
         drop_files(paths)  # this process maps nothing of the table
+        cached_before = cached_bytes(paths)  # all of it on a filesystem that cannot drop
         spec = {"arm": arm, "table": str(args.table), "tokens_path": str(tokens_path),
                 "ngram_base": args.ngram_base, "chunk": args.chunk,
                 "compute_ms": args.compute_ms, "device": args.device,
@@ -542,22 +644,65 @@ def run_arm_child(args, arm: str, index: int, paths, tokens_path: Path) -> dict:
                 "model_experts": args.model_experts,
                 "cgroup": str(group.path) if group else None,
                 "cgroup_version": group.version if group else None,
-                "limit": group.limit if group else None, "ballast": args.ballast * MiB}
-        run = run_child("ple_tools.bench_prefill", spec, args.deadline)
+                "limit": group.limit if group else None, "ballast": args.ballast * MiB,
+                "warm_table": str(warm_table), "thread_profile": args.thread_profile}
+        sampler = ThreadSampler() if args.thread_profile else None
+        run = run_child("ple_tools.bench_prefill", spec, args.deadline, sampler)
+        # The table's bytes that the arm brought into the page cache: its reads
+        # of the table through it, whatever else the process read.
+        table_cached = {"table_cached_bytes": max(0, cached_bytes(paths) - cached_before)}
         chunks = [line for line in run.lines if "chunk" in line]
         result = next((line["result"] for line in run.lines if "result" in line), None)
         if result is not None and run.code == 0:
             result["per_chunk_s"] = chunk_seconds(chunks)
-            return result
+            if sampler is not None:
+                result["thread_profile"] = attribute(sampler, chunk_phases(chunks))
+            return {**result, **table_cached}
         if run.timed_out:
-            return timed_out_record(arm, args.deadline, chunks)
+            return {**timed_out_record(arm, args.deadline, chunks), **table_cached}
         kills = group.oom_kills() if group else 0
         return {"arm": arm, "error": f"the child exited with {run.code}"
                 + (f" ({kills} OOM kill(s) in its cgroup)" if kills else ""),
-                "chunks_done": len(chunks)}
+                "chunks_done": len(chunks), **table_cached}
     finally:
         if group is not None:
             group.remove()
+
+
+# The phases of a chunk in a thread profile: through a model, the main
+# thread inside ple's layers and the rest of the chunk; the layer alone, its
+# forward (the reads) and the compute after it.
+MODEL_PHASES = ("in_ple", "model")
+LAYER_PHASES = ("reads", "compute")
+
+
+def chunk_phases(chunks: list[dict]) -> list[tuple[float, float, str]]:
+    """The phases of the chunks' lines (time.monotonic() intervals)."""
+    phases = []
+    for c in chunks:
+        if "t_forward_end" in c:
+            phases += [(c["t_start"], c["t_forward_end"], LAYER_PHASES[0]),
+                       (c["t_forward_end"], c["t_end"], LAYER_PHASES[1])]
+            continue
+        start = c["t_start"]
+        for begin, end in c.get("in_ple", []):
+            end = c["t_end"] if end is None else end
+            phases += [(start, begin, MODEL_PHASES[1]), (begin, end, MODEL_PHASES[0])]
+            start = end
+        phases.append((start, c["t_end"], MODEL_PHASES[1]))
+    return [phase for phase in phases if phase[1] > phase[0]]
+
+
+def thread_profile_lines(record: dict) -> list[str]:
+    from ple_tools.thread_profile import profile_lines
+
+    profile = record["thread_profile"]
+    names = list(LAYER_PHASES if LAYER_PHASES[0] in profile["samples"] else MODEL_PHASES)
+    return [f"{record['arm']}: its threads' CPU while its chunks ran "
+            + ("(in_ple: the main thread inside ple's layers; model: the rest of a chunk)"
+               if names == list(MODEL_PHASES) else "(reads: the layer's forwards; compute: "
+               "the compute stand-in after each)"),
+            *profile_lines(profile, names)]
 
 
 def chunk_seconds(chunks: list[dict]) -> list[float]:
@@ -590,15 +735,18 @@ def arm_line(r: dict, chunks: int) -> str:
     def count(key: str, width: int) -> str:
         return f"{'-':>{width}}" if r[key] is None else f"{r[key]:>{width},}"
 
+    first = r["per_chunk_s"][0] if r["per_chunk_s"] else 0.0
     return (f"{r['arm']:<18} {r['seconds']:>8.2f} {r['forward_s']:>8.2f} {r['compute_s']:>8.2f} "
-            f"{per[len(per) // 2] * 1e3:>9.1f} {per[-1] * 1e3:>9.1f} {count('pages', 10)} "
+            f"{per[len(per) // 2] * 1e3:>9.1f} {first * 1e3:>9.1f} {per[-1] * 1e3:>9.1f} "
+            f"{count('pages', 10)} "
             f"{r['read_bytes'] / MiB:>9.1f} {count('major_faults', 8)} "
             f"{count('row_cache_hits', 10)} {count('prefetch_hits', 6)}  "
             f"{r['sha256'][:16]} {r['output']}")
 
 
 HEADER = (f"{'arm':<18} {'total s':>8} {'reads s':>8} {'compute':>8} {'chunk ms':>9} "
-          f"{'max ms':>9} {'pages':>10} {'read MiB':>9} {'maj.flt':>8} {'cache hits':>10} "
+          f"{'1st ms':>9} {'max ms':>9} {'pages':>10} {'read MiB':>9} {'maj.flt':>8} "
+          f"{'cache hits':>10} "
           f"{'pf.hit':>6}  sha256")
 
 
@@ -738,23 +886,24 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="prompt tokens: the first N of the text (default 184134; --quick 8192)")
     parser.add_argument("--chunk", type=positive_int, default=2048,
                         help="tokens a chunk (default 2048)")
-    parser.add_argument("--text", type=Path, help="a UTF-8 text file to tokenize (default: "
-                        "this Python's documentation)")
-    parser.add_argument("--tokens", type=Path,
+    parser.add_argument("--text", action=InputFile, help="a UTF-8 text file to tokenize "
+                        "(default: this Python's documentation)")
+    parser.add_argument("--tokens", action=InputFile,
                         help="a .npy of token ids to use instead of tokenizing a text")
-    parser.add_argument("--ranks", type=Path, help="GPT-2's gpt2.tiktoken (default "
+    parser.add_argument("--ranks", action=InputFile, help="GPT-2's gpt2.tiktoken (default "
                         f"{RANKS_CACHE}, downloaded there when missing)")
-    parser.add_argument("--save-text", type=Path, metavar="PATH", help="write the text used")
-    parser.add_argument("--save-tokens", type=Path, metavar="PATH",
+    parser.add_argument("--save-text", action=OutputFile, metavar="PATH",
+                        help="write the text used")
+    parser.add_argument("--save-tokens", action=OutputFile, metavar="PATH",
                         help="write the prompt's tokens (.npy)")
     parser.add_argument("--arms", help="arms to run, comma separated (default: window, all, "
                         "direct, direct-cache:MiB per --caches, lookahead)")
-    parser.add_argument("--caches", type=positive_int_list,
+    parser.add_argument("--caches", type=row_cache_mib_list,
                         help="MiB of the direct-cache arms, comma separated "
                         "(default 512; --quick 16)")
-    parser.add_argument("--lookahead-mib", type=positive_int, default=64,
+    parser.add_argument("--lookahead-mib", type=lookahead_mib, default=64,
                         help="the lookahead arm's bound on rows read ahead (default 64)")
-    parser.add_argument("--compute-ms", type=non_negative_float, default=0.0, metavar="N",
+    parser.add_argument("--compute-ms", type=milliseconds, default=0.0, metavar="N",
                         help="busy compute after each chunk, ms (default 0: none)")
     parser.add_argument("--model-layers", type=non_negative_int, default=0, metavar="N",
                         help="run the arms through a Qwen4Exp-shaped model of N (3 or more) "
@@ -772,13 +921,102 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "the row cache of a direct-cache arm; needs root or a delegated cgroup)")
     parser.add_argument("--ballast", type=non_negative_int, default=0, metavar="MiB",
                         help="touched anonymous memory each child holds in its cgroup")
-    parser.add_argument("--deadline", type=positive_float, metavar="S",
+    parser.add_argument("--deadline", type=seconds, metavar="S",
                         help="an arm still running after S seconds is killed and reported as "
                         "timed out (default 300; --quick 120)")
+    parser.add_argument("--thread-profile", action="store_true",
+                        help="sample each arm's threads every 10 ms (ple_tools.thread_profile) "
+                        "and report their CPU by phase of the chunks")
     add_json_option(parser)
     parser.add_argument("--quick", action="store_true", help="a small run for CI (see below)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
-    return parse_with_defaults(parser, argv, DEFAULTS, QUICK)
+    args = parse_with_defaults(parser, argv, DEFAULTS, QUICK)
+    if not args.child:
+        refuse_run(parser, args)
+    return args
+
+
+# What a prompt token takes in the parent: its id, its 16 row ids, their pages.
+TOKEN_BYTES = 256
+
+
+def known_arm(arm: str) -> bool:
+    """Whether ``arm`` names an arm (arm_config's, without importing ple)."""
+    _, reader = split_arm(arm)
+    if reader is None:
+        return True
+    kind, colon, mib = reader.partition(":")
+    if kind == "direct-cache":
+        return mib.isdigit() and len(mib) < 20 and int(mib) <= MAX_ROW_CACHE_MIB
+    return not colon and reader in (WINDOW, "all", "direct")
+
+
+def refuse_model(parser: argparse.ArgumentParser, args: argparse.Namespace, device: str) -> None:
+    """--model-layers' checks: a transformers with Qwen4Exp, a config it
+    takes, and the model's bfloat16 weights within the device's memory."""
+    import torch
+
+    try:
+        import transformers
+    except ImportError:
+        parser.error("argument --model-layers: the model is transformers' Qwen4Exp, and "
+                     "transformers is not installed (pip install --no-build-isolation "
+                     "'.[transformers]')")
+    try:
+        from transformers import Qwen4ExpForCausalLM
+    except ImportError:
+        parser.error(f"argument --model-layers: transformers {transformers.__version__} has no "
+                     "Qwen4Exp")
+    from ple_tools import prefill_model
+
+    try:  # the compute arm's model: the others' table is served, not held
+        config = prefill_model.flash_next_config(
+            layers=args.model_layers, experts=args.model_experts, hidden=args.model_hidden,
+            hashing=FLASH_NEXT, base=1000, shards=args.shards)
+    except Exception as error:  # transformers' config checks raise several kinds
+        parser.error(f"argument --model-hidden: transformers' Qwen4ExpTextConfig refuses "
+                     f"{args.model_hidden} wide, {args.model_experts} experts: {error}")
+    with torch.device("meta"):
+        weights = 2 * sum(p.numel() for p in Qwen4ExpForCausalLM(config).parameters())
+    what = (f"a model of {args.model_layers} layers, {args.model_hidden:,} wide, "
+            f"{args.model_experts:,} experts (its bfloat16 weights)")
+    if device != "cuda":
+        refuse_over_memory(parser, "--model-hidden", weights, what)
+    elif weights > torch.cuda.get_device_properties(0).total_memory:
+        parser.error(f"argument --model-hidden: {what} takes {size(weights)}, more than the GPU's "
+                     f"{size(torch.cuda.get_device_properties(0).total_memory)}")
+
+
+def refuse_run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """The checks of the arguments together, before anything is written:
+    the arms, the model, the device, the memory and the table."""
+    arms = default_arms(args)
+    unknown = [arm for arm in arms if not known_arm(arm)]
+    if unknown:
+        parser.error(f"argument --arms: unknown arm {unknown[0]!r}: arms are window, all, direct, "
+                     "direct-cache:MiB, lookahead and lookahead-<arm>, and with --model-layers "
+                     "compute, reads and reads-<arm>")
+    if args.model_layers and args.model_layers < 3:
+        parser.error("argument --model-layers: 3 or more (the PLE layer is decoder layer 2, and a "
+                     "full-attention layer must follow)")
+    if not args.model_layers and COMPUTE in arms:
+        parser.error("argument --arms: the compute arm needs --model-layers")
+    refuse_over_memory(parser, "--tokens-count", args.tokens_count * TOKEN_BYTES,
+                       f"a prompt of {args.tokens_count:,} tokens")
+    largest_cache = max(map(cache_mib, arms), default=0)
+    refuse_over_memory(parser, "--caches", largest_cache * MiB,
+                       f"a row cache of {largest_cache:,} MiB")
+    refuse_directory(parser, args.table, "--table")
+    import torch  # the arguments are good so far
+
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error(f"argument --device: cuda, and torch {torch.__version__} sees no CUDA device")
+    if args.model_layers:
+        refuse_model(parser, args, args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    refuse_table(parser, args.table, rows=hashing_of(args.ngram_base).padded_rows(PAD_TO),
+                 row_bytes=160, shards=args.shards, files=args.files,
+                 options={"directory": "--table", "size": "--ngram-base", "shards": "--shards",
+                          "files": "--files"})
 
 
 def default_arms(args) -> list[str]:
@@ -810,19 +1048,6 @@ def run(args) -> tuple[int, dict | None]:
     if args.device is None:
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     arms = default_arms(args)
-    for arm in arms:
-        try:
-            arm_config(arm)
-        except (KeyError, ValueError):
-            print(f"error: unknown arm {arm!r}", file=sys.stderr)
-            return 2, None
-    if args.model_layers and args.model_layers < 3:
-        print("error: --model-layers must be 3 or more (the PLE layer is decoder layer 2, "
-              "and a full-attention layer must follow)", file=sys.stderr)
-        return 2, None
-    if not args.model_layers and COMPUTE in arms:
-        print("error: the compute arm needs --model-layers", file=sys.stderr)
-        return 2, None
     if any(map(looks_ahead, arms)) and not lookahead_available():
         print("lookahead: not available (this ple's NGramEmbedding has no lookahead()); "
               "its arms are left out", file=sys.stderr)
@@ -866,16 +1091,26 @@ def run(args) -> tuple[int, dict | None]:
     with tempfile.TemporaryDirectory(prefix="ple-prefill-") as tmp:
         tokens_path = Path(tmp) / "tokens.npy"
         np.save(tokens_path, tokens)
+        # The small table every arm warms up on (its own files: the warm-up
+        # reads nothing the arm will read).
+        warm_table = Path(tmp) / "warm_table"
+        ensure_table(warm_table, rows=hashing_of(OWN_TABLE_BASE).padded_rows(PAD_TO),
+                     row_bytes=160, shards=args.shards, files=min(args.files, args.shards))
         print(HEADER, file=sys.stderr)
         for index, arm in enumerate(arms):
-            results.append(run_arm_child(args, arm, index, layout.paths, tokens_path))
+            results.append(run_arm_child(args, arm, index, layout.paths, tokens_path, warm_table))
             print(arm_line(results[-1], chunks), file=sys.stderr, flush=True)
+            if "thread_profile" in results[-1]:
+                print("\n".join(thread_profile_lines(results[-1])), file=sys.stderr, flush=True)
 
     print(setup)
     print(HEADER)
     print("-" * len(HEADER))
     for r in results:
         print(arm_line(r, chunks))
+    for r in results:
+        if "thread_profile" in r:
+            print("\n".join(thread_profile_lines(r)))
     # The compute arm's own table gives other outputs: it is compared with no arm.
     outputs = {}
     for r in results:

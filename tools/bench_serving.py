@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -58,9 +59,10 @@ import sys
 from pathlib import Path
 
 from ple_tools.arm_child import module_command
-from ple_tools.argtypes import (non_negative_int, number_above, positive_float, positive_int,
-                                refuse_empty_table, seed)
+from ple_tools.argtypes import (gather_threads, non_negative_int, number_above, positive_float,
+                                positive_int, refuse_empty_table, refuse_over_memory, seed)
 from ple_tools.figures import add_json_option, run_recorded
+from ple_tools.make_table import refuse_table
 
 MiB = 2**20
 ARMS = ("mmap", "mmap-cache", "direct-cache")
@@ -97,7 +99,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--calls", type=positive_int, default=300,
                         help="measured calls (default 300)")
     parser.add_argument("--seed", type=seed, default=0, help="seed of the ids (default 0)")
-    parser.add_argument("--threads", type=positive_int,
+    parser.add_argument("--threads", type=gather_threads,
                         help="GatherConfig.threads (default: its default)")
     parser.add_argument("--arms", default=",".join(ARMS),
                         help=f"comma separated, of {', '.join(ARMS)} (default all)")
@@ -111,7 +113,36 @@ def parse_args(argv=None) -> argparse.Namespace:
     unknown = set(args.arms.split(",")) - set(ARMS)
     if unknown:
         parser.error(f"unknown arms {sorted(unknown)}; expected some of {', '.join(ARMS)}")
+    num_rows = int(args.table_gib * 2**30) // args.row_bytes
+    share = share_in_table(args.zipf, num_rows)
+    if share < LEAST_SHARE:
+        parser.error(f"argument --zipf: {args.zipf:g} is so near 1 that {share:.2%} of the "
+                     f"distribution's draws fall in the table's {num_rows:,} rows: drawing "
+                     f"the ids would take {1 / share:,.0f} draws an id")
+    refuse_over_memory(parser, "--budget", args.budget * MiB, f"a budget of {args.budget:,} MiB")
+    refuse_over_memory(parser, "--rows", (args.warmup + args.calls) * args.rows * 8,
+                       f"{args.warmup + args.calls:,} calls of {args.rows:,} ids")
+    if not args.child:
+        refuse_table(parser, args.table, rows=num_rows, row_bytes=args.row_bytes,
+                     options={"directory": "--table", "size": "--table-gib"})
     return args
+
+
+# The least share of the Zipf distribution's draws in the table that the
+# tool takes: below it, drawing the ids (and NumPy's zipf itself) all but hangs.
+LEAST_SHARE = 0.01
+
+
+def share_in_table(exponent: float, num_rows: int) -> float:
+    """The share of Zipf(``exponent``) draws in [1, num_rows]: the sums of
+    k**-exponent to num_rows and to infinity, each its first 1,000 terms
+    and the integral of the rest."""
+    head = min(num_rows, 1000)
+    partial = math.fsum(k ** -exponent for k in range(1, head + 1))
+    rest = head ** (1 - exponent) / (exponent - 1)  # the integral from head to infinity
+    beyond = num_rows ** (1 - exponent) / (exponent - 1)
+    return (partial + rest - beyond) / (partial + rest) if num_rows > head else (
+        partial / (partial + rest))
 
 
 def zipf_requests(num_rows: int, calls: int, rows: int, exponent: float, seed: int):

@@ -32,19 +32,16 @@ import sys
 import tempfile
 from pathlib import Path
 
-from ple_tools.argtypes import non_negative_int, positive_float, positive_int, refuse_empty_table
+from ple_tools.argtypes import (fraction_pair, non_negative_int, positive_float, positive_int,
+                                refuse_empty_table, refuse_over_memory, seconds)
 from ple_tools.figures import add_json_option, run_recorded
+from ple_tools.make_table import refuse_table
 
 ROW_BYTES = 160
 SIZES = (16, 32768)  # a decode step, a prefill chunk (2,048 tokens of 16 heads)
 ARMS = ("disk", "tiers")
-
-
-def fractions(text: str) -> tuple[float, float]:
-    device, host = (float(part) for part in text.split(","))
-    if device < 0 or host < 0 or device + host > 1:
-        raise argparse.ArgumentTypeError(f"two fractions >= 0 of sum <= 1, not {text!r}")
-    return device, host
+# What a rank's process takes besides the table: Python, torch, the process group.
+RANK_BYTES = 512 << 20
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -66,10 +63,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                         help="where the ranks run: GPU r for rank r (shared round robin when "
                         "there are fewer GPUs, gloo only), or all on the CPU (default cuda)")
-    parser.add_argument("--tiers", type=fractions, default=(0.5, 0.5), metavar="DEVICE,HOST",
+    parser.add_argument("--tiers", type=fraction_pair, default=(0.5, 0.5), metavar="DEVICE,HOST",
                         help="fractions of each process's rows in its device and host tiers "
                         "(default 0.5,0.5: all of them; on the CPU the host tier alone)")
-    parser.add_argument("--timeout", type=positive_float, default=600,
+    parser.add_argument("--timeout", type=seconds, default=600,
                         help="seconds the ranks of one run may take, in all (default 600)")
     add_json_option(parser)
     # One rank's part, run by the launcher.
@@ -80,7 +77,30 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.device == "cpu" and args.backend == "nccl":
         parser.error("--device cpu runs over gloo; NCCL needs GPUs")
     refuse_empty_table(parser, "--mib", args.mib * 2**20, ROW_BYTES)
+    if args.rank is None:
+        refuse_launch(parser, args)
     return args
+
+
+def refuse_launch(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """The launcher's checks: the table, the ranks' processes, and the GPUs
+    they take."""
+    refuse_table(parser, args.table, rows=int(args.mib * 2**20) // ROW_BYTES, row_bytes=ROW_BYTES,
+                 shards=1, files=1, options={"directory": "--table", "size": "--mib"})
+    if args.world_size is not None:
+        refuse_over_memory(parser, "--world-size", args.world_size * RANK_BYTES,
+                           f"{args.world_size:,} ranks (a process with torch each)")
+    if args.device != "cuda":
+        return
+    import torch  # the arguments are good so far
+
+    gpus = torch.cuda.device_count()
+    if not gpus:
+        parser.error(f"argument --device: cuda, and torch {torch.__version__} sees no CUDA "
+                     "device (--device cpu runs on the CPU)")
+    if (args.backend or "nccl") == "nccl" and (args.world_size or gpus) > gpus:
+        parser.error(f"argument --world-size: NCCL takes one GPU per rank, and {args.world_size} "
+                     f"ranks are more than the {gpus} GPUs (--backend gloo shares them)")
 
 
 def main(argv=None) -> int:
@@ -100,16 +120,8 @@ def launch(args: argparse.Namespace) -> tuple[int, dict | None]:
 
     on_gpu = args.device == "cuda"
     gpus = torch.cuda.device_count() if on_gpu else 0
-    if on_gpu and not gpus:
-        print("ple-bench-tensor-parallel: no CUDA device (--device cpu runs on the CPU)",
-              file=sys.stderr)
-        return 2, None
     world_size = args.world_size or (gpus if on_gpu else 2)
     backend = args.backend or ("nccl" if on_gpu else "gloo")
-    if backend == "nccl" and world_size > gpus:
-        print(f"ple-bench-tensor-parallel: NCCL takes one GPU per rank, and {world_size} ranks "
-              f"are more than the {gpus} GPUs (--backend gloo shares them)", file=sys.stderr)
-        return 2, None
     num_rows = int(args.mib * 2**20) // ROW_BYTES
     ensure_table(args.table, rows=num_rows, row_bytes=ROW_BYTES, shards=1, files=1)
     for path in sorted(args.table.glob("*.safetensors")):

@@ -38,6 +38,7 @@ the same tokens.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import shutil
@@ -52,7 +53,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ple_tools import written
-from ple_tools.argtypes import positive_float, positive_int, seed
+from ple_tools.argtypes import (OutputDirectory, int_range, positive_float, positive_int, seconds,
+                                seed)
 from ple_tools.figures import add_json_option, run_recorded
 
 if TYPE_CHECKING:  # for annotations; torch is imported after parsing (--help imports none)
@@ -69,9 +71,12 @@ MODEL_CONFIG = dict(
     linear_num_value_heads=2, moe_intermediate_size=64, shared_expert_intermediate_size=64,
     num_experts=4, num_experts_per_tok=2, hc_count=2, hc_lowrank=16, ple_layer_ids=[1, 2],
     ple_embed_dim=256, ngram_size=3, heads_per_ngram=2, eos_token_id=1, pad_token_id=0,
-    bos_token_id=2)
+    bos_token_id=2, max_position_embeddings=32768)
+# PLE layers go on linear-attention layers only (the first ones).
+MOST_PLE_LAYERS = MODEL_CONFIG["layer_types"].count("linear_attention")
 INFO = "ple_bench.json"  # the checkpoint's marker (ple_tools.written)
 TOOL = "ple-bench-transformers"
+WHAT = "a checkpoint"
 SMALL_FILE = "model-small.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 
@@ -118,7 +123,7 @@ def write_checkpoint(directory: Path, table_bytes: float, *, ple_layers: int = 2
                                    **overrides)
     marker = directory / INFO
     record = written.read_record(marker, TOOL, _legacy_record)
-    written.refuse_foreign(directory, marker, record)
+    written.refuse_foreign(directory, marker, record, WHAT)
     # The big model on the meta device: its n-gram modules' sizes and buffers.
     with torch.device("meta"):
         big = Qwen4ExpForCausalLM(config)
@@ -126,7 +131,7 @@ def write_checkpoint(directory: Path, table_bytes: float, *, ple_layers: int = 2
                      if type(module).__name__ == "Qwen4ExpTextNGramEmbedding"]
     names = [*(_shard_file(f"{name}.ngram_embedding", i) for name, _ in ngram_modules
                for i in range(shards)), SMALL_FILE, INDEX_FILE, "config.json"]
-    written.begin(directory, marker, TOOL, record, names)
+    written.begin(directory, marker, TOOL, record, names, what=WHAT)
     torch.manual_seed(seed)
     with tempfile.TemporaryDirectory() as scratch:
         Qwen4ExpForCausalLM(small_config).to(dtype).save_pretrained(scratch)
@@ -167,7 +172,7 @@ def write_checkpoint(directory: Path, table_bytes: float, *, ple_layers: int = 2
             "seed": seed}
     if sync:
         _fsync(directory / SMALL_FILE)
-    written.finish(marker, TOOL, names, **info)
+    written.finish(marker, TOOL, names, what=WHAT, **info)
     return info
 
 
@@ -206,16 +211,31 @@ def ensure_checkpoint(directory: Path, table_bytes: float, dtype: torch.dtype,
     """The checkpoint in ``directory`` if it was written for this size, dtype
     and number of PLE layers, to the end, else a new one (write_checkpoint,
     which refuses a directory holding files it did not write)."""
+    record = existing_checkpoint(directory, table_bytes, str(dtype).removeprefix("torch."),
+                                 ple_layers)
+    if record is not None:
+        return {key: value for key, value in record.items()
+                if key not in ("written_by", "what", "complete", "files")}
+    return write_checkpoint(directory, table_bytes, dtype=dtype, ple_layers=ple_layers, sync=True)
+
+
+def existing_checkpoint(directory: Path, table_bytes: float, dtype: str,
+                        ple_layers: int) -> dict | None:
+    """The record of the checkpoint in ``directory`` if it was written for
+    this size, dtype ("bfloat16") and number of PLE layers, to the end;
+    else None, once it is sure that one can be written there: raises
+    ple_tools.written's errors for a directory holding files the tool did
+    not write, or one that cannot take the checkpoint."""
     marker = directory / INFO
     record = written.read_record(marker, TOOL, _legacy_record)
-    written.refuse_foreign(directory, marker, record)
+    written.refuse_foreign(directory, marker, record, WHAT)
     if (record is not None and record["complete"]
             and (record.get("requested_bytes"), record.get("dtype"), record.get("ple_layers"))
-            == (table_bytes, str(dtype).removeprefix("torch."), ple_layers)
+            == (table_bytes, dtype, ple_layers)
             and all((directory / name).is_file() for name in record["files"])):
-        return {key: value for key, value in record.items()
-                if key not in ("written_by", "complete", "files")}
-    return write_checkpoint(directory, table_bytes, dtype=dtype, ple_layers=ple_layers, sync=True)
+        return record
+    written.refuse_no_room(directory, int(table_bytes), record, WHAT)
+    return None
 
 
 def drop_page_cache(directory: Path) -> None:
@@ -392,6 +412,15 @@ def gib(value: float) -> str:
     return f"{value / 2**30:.2f}"
 
 
+def has_qwen4exp() -> bool:
+    """Whether this Python's transformers has Qwen4Exp (finding it imports
+    transformers' package, not its models)."""
+    try:
+        return importlib.util.find_spec("transformers.models.qwen4_exp") is not None
+    except ModuleNotFoundError:  # no transformers
+        return False
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -401,7 +430,8 @@ def main(argv=None) -> int:
                         "write is refused (default data/bench_transformers)")
     parser.add_argument("--table-gib", type=positive_float, default=3.0,
                         help="GiB of n-gram tables in all (default 3)")
-    parser.add_argument("--ple-layers", type=positive_int, default=2, help="PLE layers (default 2)")
+    parser.add_argument("--ple-layers", type=int_range(1, MOST_PLE_LAYERS, " (the model's "
+                        "linear-attention layers)"), default=2, help="PLE layers (default 2)")
     parser.add_argument("--dtype", choices=DTYPES, default="bf16",
                         help="of the stored rows and of the loaded model (default bf16)")
     parser.add_argument("--arms", default=",".join(ARMS), help=f"comma separated, of {ARMS}")
@@ -412,8 +442,8 @@ def main(argv=None) -> int:
     parser.add_argument("--new-tokens", type=positive_int, default=32,
                         help="timed tokens (default 32)")
     parser.add_argument("--seed", type=seed, default=0, help="of the prompts (default 0)")
-    parser.add_argument("--timeout", type=positive_float, default=1200, help="seconds per arm")
-    parser.add_argument("--offload-dir", type=Path,
+    parser.add_argument("--timeout", type=seconds, default=1200, help="seconds per arm")
+    parser.add_argument("--offload-dir", action=OutputDirectory,
                         help="where disk-offload writes (default --dir)")
     add_json_option(parser)
     parser.add_argument("--child", help=argparse.SUPPRESS)
@@ -421,6 +451,22 @@ def main(argv=None) -> int:
     unknown = [arm for arm in args.arms.split(",") if arm not in ARMS]
     if unknown:
         parser.error(f"argument --arms: unknown {unknown}; arms: {', '.join(ARMS)}")
+    # generate's tokens: the prompt, then one and --new-tokens more (TokenTimes).
+    context = MODEL_CONFIG["max_position_embeddings"]
+    if args.prompt + 1 + args.new_tokens > context:
+        parser.error(f"argument --prompt: {args.prompt:,} tokens, then {1 + args.new_tokens:,} "
+                     f"generated, are more than the model's {context:,} positions")
+    if not args.child:
+        try:
+            existing_checkpoint(args.dir, args.table_gib * 2**30, DTYPES[args.dtype],
+                                args.ple_layers)
+        except written.DirectoryError as error:
+            written.refuse_on_command_line(parser, error, "--dir", "--table-gib")
+        if not has_qwen4exp():
+            print(f"error: ple-bench-transformers runs transformers' Qwen4Exp, which "
+                  f"{sys.executable} does not have: install a transformers that has it "
+                  "(pip install --no-build-isolation '.[transformers]')", file=sys.stderr)
+            return 2
     if args.child:
         print(json.dumps(run_arm(json.loads(args.child))))
         return 0

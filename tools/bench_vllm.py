@@ -43,12 +43,13 @@ from pathlib import Path
 
 from ple_tools import written
 from ple_tools.arm_child import module_command
-from ple_tools.argtypes import positive_float, positive_int
+from ple_tools.argtypes import positive_float, positive_int, refuse_over_memory
 from ple_tools.figures import add_json_option, run_recorded
 
 ARMS = {"in-memory": "none", "ple": "auto"}
 INFO = "ple_bench.json"
 TOOL = "ple-bench-vllm"
+WHAT = "a checkpoint"
 TABLE = "model.embed_tokens_per_layer.weight"
 OTHERS_FILE = "model-00001-of-00002.safetensors"
 TABLE_FILE = "model-00002-of-00002.safetensors"
@@ -86,7 +87,31 @@ def parse_args(argv=None) -> argparse.Namespace:
         parser.error(f"unknown arms {unknown}; expected among {list(ARMS)}")
     if args.table_gib < 1 / 64:
         parser.error("--table-gib must be at least 1/64")
+    # vLLM's max_model_len (run_arm's), within the model's positions.
+    context = MODEL_CONFIG["max_position_embeddings"]
+    if args.prompt + args.new_tokens + 8 > context:
+        parser.error(f"argument --prompt: {args.prompt:,} tokens and {args.new_tokens:,} new ones "
+                     f"(and 8 of room) are more than the model's {context:,} positions")
+    table_bytes = ROWS * LAYERS * per_layer_width(args.table_gib) * 2
+    # The model is made in float32, cast to bfloat16, saved, and read back.
+    refuse_over_memory(parser, "--table-gib", 5 * table_bytes,
+                       "writing the checkpoint (its table in float32, in bfloat16, and read back)")
+    if not args.child:
+        marker = args.dir / INFO
+        record = written.read_record(marker, TOOL)
+        try:
+            written.refuse_foreign(args.dir, marker, record, WHAT)
+            if not reusable(record, args.table_gib):
+                written.refuse_no_room(args.dir, table_bytes, record, WHAT)
+        except written.DirectoryError as error:
+            written.refuse_on_command_line(parser, error, "--dir", "--table-gib")
     return args
+
+
+def reusable(record: dict | None, table_gib: float) -> bool:
+    """Whether ``record`` is that of a checkpoint of this size, written to the end."""
+    return (record is not None and record["complete"]
+            and record.get("width") == per_layer_width(table_gib))
 
 
 def per_layer_width(table_gib: float) -> int:
@@ -104,11 +129,11 @@ def write_checkpoint(directory: Path, table_gib: float) -> dict:
     width = per_layer_width(table_gib)
     marker = directory / INFO
     record = written.read_record(marker, TOOL)
-    if record is not None and record["complete"] and record.get("width") == width:
+    if reusable(record, table_gib):
         return record
-    written.refuse_foreign(directory, marker, record)
+    written.refuse_foreign(directory, marker, record, WHAT)
     names = ["config.json", "generation_config.json", OTHERS_FILE, TABLE_FILE, INDEX_FILE]
-    written.begin(directory, marker, TOOL, record, names, width=width)
+    written.begin(directory, marker, TOOL, record, names, what=WHAT, width=width)
     torch.manual_seed(0)
     small = Gemma3nForCausalLM(Gemma3nTextConfig(**MODEL_CONFIG,
                                                  hidden_size_per_layer_input=width)).eval()
@@ -127,7 +152,7 @@ def write_checkpoint(directory: Path, table_gib: float) -> dict:
         fd = os.open(directory / name, os.O_RDONLY)
         os.fsync(fd)
         os.close(fd)
-    written.finish(marker, TOOL, names, width=width)
+    written.finish(marker, TOOL, names, what=WHAT, width=width)
     return written.read_record(marker, TOOL)
 
 

@@ -43,9 +43,11 @@ ROWS_PER_THREAD = 256  # the gather's kMinRowsPerThread (kernels/row_gather.cpp)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    from ple_tools.argtypes import (positive_float, positive_int, positive_int_list,
-                                    refuse_empty_table, seed)
+    from ple_tools.argtypes import (gather_threads, policy_spec, positive_float, positive_int,
+                                    positive_int_list, refuse_empty_table,
+                                    refuse_missing_program, refuse_over_memory, seed)
     from ple_tools.figures import add_json_option
+    from ple_tools.make_table import refuse_table
 
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0],
@@ -63,9 +65,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="ids per call, comma separated: one measurement each (default 32768,16)")
     parser.add_argument("--calls", type=positive_int, default=50,
                         help="timed calls per arm and turn (default 50)")
-    parser.add_argument("--threads", type=positive_int, default=16,
+    parser.add_argument("--threads", type=gather_threads, default=16,
                         help="GatherConfig.threads, and the floor's threads (default 16)")
-    parser.add_argument("--policy", default="window",
+    parser.add_argument("--policy", type=policy_spec, default="window",
                         help="the gather's policy spec, as GatherConfig.from_spec takes it "
                         "(default window)")
     parser.add_argument("--python", action="append", metavar="PATH",
@@ -79,6 +81,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     add_json_option(parser)
     args = parser.parse_args(argv)
     refuse_empty_table(parser, "--table-gib", args.table_gib * 2**30, args.row_bytes)
+    for python in args.python or []:
+        refuse_missing_program(parser, "--python", python)
+    refuse_missing_program(parser, "--cxx", args.cxx)
+    # A size's ids, the floor's (file, offset) pairs and its output file,
+    # and a call's rows.
+    largest = max((int(s) for s in args.rows.split(",") if s.strip()), default=0)
+    refuse_over_memory(parser, "--rows", args.calls * largest * 24 + largest * args.row_bytes,
+                       f"{args.calls:,} calls of {largest:,} ids")
+    refuse_table(parser, args.table, rows=int(args.table_gib * 2**30) // args.row_bytes,
+                 row_bytes=args.row_bytes,
+                 options={"directory": "--table", "size": "--table-gib"})
     return args
 
 

@@ -19,8 +19,10 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ple_tools.argtypes import positive_float, positive_int, refuse_empty_table, seed
+from ple_tools.argtypes import (positive_float, positive_int, refuse_empty_table,
+                                refuse_over_memory, seed)
 from ple_tools.figures import add_json_option, run_recorded
+from ple_tools.make_table import refuse_table
 
 if TYPE_CHECKING:  # for annotations; imported after parsing
     import torch
@@ -134,6 +136,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     add_json_option(parser)
     args = parser.parse_args(argv)
     refuse_empty_table(parser, "--mib", args.mib * 2**20, args.row_bytes)
+    refuse_over_memory(parser, "--rows",
+                       args.calls * args.rows * 8 + 2 * args.rows * args.row_bytes,
+                       f"{args.calls:,} calls of {args.rows:,} ids (and a call's rows)")
+    refuse_table(parser, args.table, rows=int(args.mib * 2**20) // args.row_bytes,
+                 row_bytes=args.row_bytes,
+                 options={"directory": "--table", "size": "--mib"})
     return args
 
 

@@ -30,7 +30,8 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from ple_tools.written import ForeignFilesError
+from ple_tools.argtypes import OutputFile, physical_memory, size
+from ple_tools.written import DirectoryError
 
 REPO = Path(__file__).resolve().parents[1]
 FIGURES = REPO / "docs" / "figures"
@@ -79,7 +80,7 @@ def without_json(arguments: list[str]) -> list[str]:
 
 def add_json_option(parser: argparse.ArgumentParser) -> None:
     """A tool's ``--json PATH`` option, which run_recorded writes to."""
-    parser.add_argument("--json", type=Path, metavar="PATH",
+    parser.add_argument("--json", action=OutputFile, metavar="PATH",
                         help="also write the run as a JSON document (tools/figures.py)")
 
 
@@ -87,15 +88,21 @@ def parse_with_defaults(parser: argparse.ArgumentParser, argv, defaults: dict, q
                         ) -> argparse.Namespace:
     """``parser.parse_args(argv)`` with the options left unset taken from
     ``quick`` under ``--quick``, else from ``defaults``; a tool with a memory
-    cap (``--memory-limit``, ``--ballast``) has them checked together."""
+    cap (``--memory-limit``, ``--ballast``, in MiB) has them checked
+    together, and the cap against the machine's memory (a cgroup limit above
+    it caps nothing)."""
     args = parser.parse_args(argv)
     for key, value in (quick if args.quick else defaults).items():
         if getattr(args, key) is None:
             setattr(args, key, value)
     if getattr(args, "ballast", 0) and args.memory_limit is None:
         parser.error("--ballast needs --memory-limit")
-    if getattr(args, "memory_limit", None) is not None and args.ballast >= args.memory_limit:
-        parser.error("--ballast must be less than --memory-limit")
+    if getattr(args, "memory_limit", None) is not None:
+        if args.ballast >= args.memory_limit:
+            parser.error("--ballast must be less than --memory-limit")
+        if args.memory_limit * 2**20 > physical_memory():
+            parser.error(f"argument --memory-limit: a cap of {size(args.memory_limit * 2**20)} "
+                         f"caps nothing on this machine of {size(physical_memory())}")
     return args
 
 
@@ -108,7 +115,7 @@ def run_recorded(args: argparse.Namespace, tool: str, argv: list[str] | None,
     ``tool``: the tool's file name in tools/ (``bench_gpu``); ``argv``: its
     arguments (None: sys.argv's).  Returns the status: 2, with the error
     printed and no document, when ``run()`` refuses the directory it was
-    given (ple_tools.written.ForeignFilesError)."""
+    given (ple_tools.written.DirectoryError)."""
     path = args.json
     kept = io.StringIO()
     try:
@@ -116,7 +123,7 @@ def run_recorded(args: argparse.Namespace, tool: str, argv: list[str] | None,
             return run()[0]
         with contextlib.redirect_stdout(_Tee(sys.stdout, kept)):
             status, results = run()
-    except ForeignFilesError as error:
+    except DirectoryError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
     arguments = sys.argv[1:] if argv is None else argv

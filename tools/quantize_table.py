@@ -27,7 +27,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ple_tools.argtypes import positive_float
+from ple_tools.argtypes import OutputFile, positive_float
 
 if TYPE_CHECKING:  # for annotations; imported after parsing
     import numpy as np
@@ -189,7 +189,7 @@ def parse_args(argv=None) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
         formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("checkpoint", type=Path,
                         help="a directory of safetensors files, or one safetensors file")
-    parser.add_argument("output", type=Path, help="the GGUF file to write")
+    parser.add_argument("output", action=OutputFile, help="the GGUF file to write")
     parser.add_argument("--type", choices=TYPES, default="q5_k",
                         help="the GGUF type to write (default q5_k)")
     parser.add_argument("--tensor", default=DEFAULT_TENSOR,

@@ -13,7 +13,9 @@ import numpy as np
 import torch
 
 from ple.layers import NGramEmbedding, NGramHashing, PackedGGUFEmbedding
-from ple_tools.make_table import PREFIX, write_table
+from ple_tools import written
+from ple_tools.make_table import PREFIX, table_files, write_table
+from ple_tools.tiny_model import MARKER, TOOL, WHAT
 
 VOCAB_SIZE = 4096
 HIDDEN = 256  # token embedding width: a multiple of Q8_0's 32-value blocks
@@ -49,13 +51,24 @@ class TinyModel(torch.nn.Module):
         self.ngram_embedding.prefetch(token_ids, seq_ids, context)
 
 
-def write_tables(out: Path) -> tuple[Path, Path]:
-    """The n-gram checkpoint directory and the GGUF file."""
-    rows = NGramHashing(vocab_size=VOCAB_SIZE, eos_id=EOS_ID, base_size=BASE_SIZE).rows
-    ngram_dir = out / "ngram"
-    write_table(ngram_dir, rows=rows, row_bytes=NGRAM_COLS, shards=4, files=2)
+GGUF_FILE = "tiny.gguf"
+
+
+def write_tables(out: Path) -> tuple[list[Path], Path]:
+    """The n-gram table's files and the GGUF file, written into ``out``,
+    which its marker (ple_tools.written) lists them in: raises
+    ple_tools.written.ForeignFilesError, before writing or deleting
+    anything, when ``out`` holds files the tool did not write."""
+    layout = dict(rows=NGramHashing(vocab_size=VOCAB_SIZE, eos_id=EOS_ID, base_size=BASE_SIZE).rows,
+                  row_bytes=NGRAM_COLS, shards=4, files=2)
+    names = [*table_files(**layout), GGUF_FILE]
+    marker = out / MARKER
+    record = written.read_record(marker, TOOL)
+    written.refuse_foreign(out, marker, record, WHAT)
+    written.begin(out, marker, TOOL, record, names, what=WHAT)
+    ngram_files = write_table(out, **layout)
     values = np.random.default_rng(0).normal(0, 0.02, (VOCAB_SIZE, HIDDEN)).astype(np.float32)
-    gguf_path = out / "tiny.gguf"
+    gguf_path = out / GGUF_FILE
     writer = gguf.GGUFWriter(str(gguf_path), "tiny")
     writer.add_tensor("token_embd.weight", gguf.quants.quantize(values, gguf.GGMLQuantizationType.Q8_0),
                       raw_dtype=gguf.GGMLQuantizationType.Q8_0)
@@ -63,7 +76,8 @@ def write_tables(out: Path) -> tuple[Path, Path]:
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    return ngram_dir, gguf_path
+    written.finish(marker, TOOL, names, what=WHAT)
+    return ngram_files, gguf_path
 
 
 def prompt_chunks() -> list[Batch]:
@@ -131,10 +145,10 @@ def run(out: Path | None, device: str | None) -> int:
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     with tempfile.TemporaryDirectory() as scratch:
         out = out or Path(scratch)
-        ngram_dir, gguf_path = write_tables(out)
+        ngram_files, gguf_path = write_tables(out)
         token_embedding = PackedGGUFEmbedding(gguf_path, dtype=DTYPE)
         ngram_embedding = NGramEmbedding.from_safetensors(
-            ngram_dir, tensor=PREFIX, vocab_size=VOCAB_SIZE, eos_id=EOS_ID, base_size=BASE_SIZE,
+            ngram_files, tensor=PREFIX, vocab_size=VOCAB_SIZE, eos_id=EOS_ID, base_size=BASE_SIZE,
             dtype=DTYPE)
         torch.manual_seed(0)
         model = TinyModel(token_embedding, ngram_embedding).to(device)

@@ -6,9 +6,9 @@ tokens (what lookahead reads ahead).  One entry per family in
 
 - Per-layer inputs (Gemma 3n, Gemma 4): ``embed_tokens_per_layer``, an
   ``nn.Embedding`` of ``[per-layer vocabulary, layers x per-layer hidden]``
-  looked up with the token ids: Gemma 3n takes ids outside the table as 0,
-  Gemma 4's multimodal model takes its image, video and audio placeholders
-  as the pad token.
+  looked up with the token ids, those outside the table as 0 (transformers'
+  Gemma 4 would fail on them; vLLM's takes them as 0), and Gemma 4's image,
+  video and audio placeholders as the pad token (0).
 - Hashed n-grams (Qwen4Exp): each PLE layer's ``ngram_embedding``, looked up
   with the n-gram ids its owner hashes from the tokens and the ``ngram_size
   - 1`` before them (``ple.layers.NGramHashing`` with the owner's own
@@ -132,8 +132,8 @@ class HashedNGrams(Family):
 
 GEMMA3N = PerLayerInputs("Gemma 3n", ("gemma3n", "gemma3n_text"), "embed_tokens_per_layer",
                          clamp_outside=True)
-GEMMA4 = PerLayerInputs("Gemma 4", ("gemma4", "gemma4_text", "gemma4_unified"),
-                        "embed_tokens_per_layer",
+GEMMA4 = PerLayerInputs("Gemma 4", ("gemma4", "gemma4_text"), "embed_tokens_per_layer",
+                        clamp_outside=True,
                         placeholders=("image_token_id", "video_token_id", "audio_token_id"))
 QWEN4EXP = HashedNGrams("Qwen4Exp", ("qwen4_exp", "qwen4_exp_text"), "ngram_embedding")
 

@@ -13,7 +13,8 @@ from torch import nn
 
 from ple.layers.disk_embedding import DiskEmbedding
 from ple.safetensors_header import TensorEntry
-from ple.safetensors_tables import SHARD_NAME, closest_names, describe_files, scale_name
+from ple.safetensors_tables import (PUBLISHED_PREFIX, SHARD_NAME, TEXT_PREFIX, closest_names,
+                                   describe_files, layout_names, scale_name)
 
 from ..families import table_names
 
@@ -79,7 +80,8 @@ class CheckpointKeys:
                 f"no table for {name!r} in {describe_files(self.files)}: looked for a tensor "
                 f"{target!r} or a shard family '{name}.shard_{{i}}.weight' (after transformers' "
                 f"key renaming, so also with or without the prefix {self.prefix!r}); the closest "
-                f"of their {len(self.entries)} tensors: {closest_names(self.entries, target)}")
+                f"of their {len(self.entries)} tensors: {closest_names(self.entries, target)}"
+                f"{self._other_layout_hint(target)}")
         prefixes = {_family(key) for key in keys}
         if len(keys) == 1 and None in prefixes:
             tensor = keys[0]
@@ -94,6 +96,20 @@ class CheckpointKeys:
         paths = list(dict.fromkeys(self.entries[key].path for key in holding))
         reported = {target, *(self.renamed.get(key, key) for key in holding)}
         return tensor, paths, reported
+
+    def _other_layout_hint(self, target: str) -> str:
+        """What to do when the checkpoint holds ``target`` in the other layout
+        (``model.language_model.x`` for ``model.x``, or the other way round),
+        which transformers does not rename for this class."""
+        other = next((name for name in layout_names(target)[1:] if name in self.entries), None)
+        if other is None:
+            return ""
+        old, new = (PUBLISHED_PREFIX, TEXT_PREFIX) if other.startswith(PUBLISHED_PREFIX) else (
+            TEXT_PREFIX, PUBLISHED_PREFIX)
+        return (f". The checkpoint holds it as {other!r}, a layout that transformers does not "
+                f"rename for {type(self.model).__name__} (it would load none of the text "
+                f"model's weights either): pass key_mapping={{'^{old}': '{new}'}}, or load it with "
+                "the checkpoint's own class (AutoModelForCausalLM resolves it)")
 
     def ignore_unexpected(self, keys: set[str]) -> None:
         """Adds the keys to the model's ``_keys_to_ignore_on_load_unexpected``

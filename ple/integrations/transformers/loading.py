@@ -38,7 +38,8 @@ HUB_ARGUMENTS = ("revision", "cache_dir", "token", "force_download", "local_file
 def from_pretrained(model_class, path: str | os.PathLike, *, offload: str | Iterable[str] = "auto",
                     gather_config: GatherConfig | None = None, process_group=None,
                     round_scale: bool = True,
-                    lookahead_mib: int = DEFAULT_LOOKAHEAD_BYTES >> 20, **kwargs):
+                    lookahead_mib: int = DEFAULT_LOOKAHEAD_BYTES >> 20,
+                    table_file: str | os.PathLike | None = None, **kwargs):
     """``model_class.from_pretrained(path, **kwargs)`` with the tables of
     ``offload`` ("auto", or module names such as ``"model.embed_tokens"``)
     left in the checkpoint's files and served by ple, each table opened with
@@ -68,8 +69,15 @@ def from_pretrained(model_class, path: str | os.PathLike, *, offload: str | Iter
     ``lookahead_mib``: in ``model.generate(..., prefill_chunk_size=N)``, each
     offloaded module reads the rows of the prompt's coming chunks while the
     one before computes, at most this many MiB ahead (0: not at all;
-    ``ple.integrations.transformers.generate``)."""
+    ``ple.integrations.transformers.generate``).
+
+    ``table_file``: a GGUF file holding a quantized copy of the one table
+    served (``ple-quantize-table`` writes one): its rows are gathered in
+    place of the checkpoint's, decoded to the model's dtype; the state dict,
+    and so a save, keeps the checkpoint's own table."""
     _lookahead_bytes(lookahead_mib)  # a bad value raises before anything is read
+    if table_file is not None and not Path(table_file).is_file():
+        raise FileNotFoundError(f"table_file={table_file}: no such file")
     for unsupported in ("gguf_file", "state_dict"):
         if kwargs.get(unsupported) is not None:
             raise ValueError(f"ple.integrations.transformers.from_pretrained serves tables from "
@@ -94,7 +102,7 @@ def from_pretrained(model_class, path: str | os.PathLike, *, offload: str | Iter
     def swap_in(model):
         where = CheckpointKeys(model, entries, files, kwargs.get("key_mapping"))
         swapped = replace_with_disk_embeddings(model, where, offload, gather_config,
-                                               process_group, round_scale)
+                                               process_group, round_scale, table_file)
         for module, _ in swapped.values():
             # transformers' loader would fill the tensors of the state dict.
             module.hold_table_in_state_dict(False)

@@ -8,9 +8,11 @@ FP8 table."""
 from __future__ import annotations
 
 import logging
+import os
 import re
 import threading
 from collections.abc import Iterable
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -22,6 +24,10 @@ from ple.table import Table
 from ..families import auto_module_names
 
 logger = logging.getLogger(__name__)
+
+# llama.cpp's name of the per-layer table of Gemma 3n and Gemma 4 (gguf's
+# MODEL_TENSOR.PER_LAYER_TOKEN_EMBD), which ple-quantize-table gives a copy.
+PER_LAYER_NAME, PER_LAYER_GGUF_NAME = "embed_tokens_per_layer.weight", "per_layer_token_embd.weight"
 
 
 class ScaledDiskEmbedding(DiskEmbedding):
@@ -79,30 +85,40 @@ def close_tables(model: nn.Module) -> None:
 
 
 def replace_with_disk_embeddings(model: nn.Module, keys, names, gather_config: GatherConfig | None,
-                                 process_group, round_scale: bool
+                                 process_group, round_scale: bool,
+                                 table_file: str | os.PathLike | None = None
                                  ) -> dict[str, tuple[DiskEmbedding, str]]:
     """Replaces the modules ``names`` ("auto", a name, or names) of ``model``
     with DiskEmbedding modules over their checkpoint tensors (found by
     ``keys``, a :class:`~.keys.CheckpointKeys`), split across
     ``process_group`` (None: not split), and takes them out of the model's
-    tensor-parallel plans.  Returns ``{name: (module, tensor)}``; every
-    table opened is closed again if one of them fails."""
+    tensor-parallel plans.  ``table_file``: a GGUF file holding a copy of the
+    one table served (:func:`copy_of_table`), which the module gathers from
+    instead.  Returns ``{name: (module, tensor)}``; every table opened is
+    closed again if one of them fails."""
     if isinstance(names, str) and names == "auto":
         names = [name for name in auto_module_names(model)
                  if not isinstance(model.get_submodule(name), DiskEmbedding)]
     elif isinstance(names, str):
         names = [names]
     names = list(dict.fromkeys(names))
+    if table_file is not None and len(names) != 1:
+        raise ValueError(f"table_file= holds one table, and {len(names)} modules are to be "
+                         f"served ({names}): name the one it is a copy of in offload=")
     originals = {name: _offloadable(model, name) for name in names}
     done: dict[str, tuple[DiskEmbedding, str]] = {}
     try:
         for name, original in originals.items():
             tensor, files_of_table, reported = keys.table_of(name)
-            table = Table.from_safetensors(files_of_table, tensor, gather_config)
+            table = checkpoint = Table.from_safetensors(files_of_table, tensor, gather_config)
             try:
-                replacement = _replacement(name, original, table, process_group, round_scale)
+                if table_file is not None:
+                    table = copy_of_table(checkpoint, table_file, gather_config)
+                replacement = _replacement(name, original, table, process_group, round_scale,
+                                           checkpoint)
             except BaseException:
-                table.close()
+                for opened in {id(t): t for t in (table, checkpoint)}.values():
+                    opened.close()
                 raise
             done[name] = (replacement, tensor)
             keys.ignore_unexpected(reported)
@@ -116,6 +132,34 @@ def replace_with_disk_embeddings(model: nn.Module, keys, names, gather_config: G
         raise
     _leave_out_of_tp_plans(model, done)
     return done
+
+
+def copy_of_table(original: Table, path: str | os.PathLike,
+                  gather_config: GatherConfig | None) -> Table:
+    """The table of the GGUF file ``path`` that is a copy of ``original`` (a
+    checkpoint's table; ``ple-quantize-table`` writes such a file): its
+    tensor named as llama.cpp names a per-layer table, or as the original,
+    or its one 2-D tensor; of the original's shape."""
+    from ple.gguf_header import read_gguf_header
+
+    tensors = {name: entry for name, entry in read_gguf_header(Path(path)).tensors.items()
+               if len(entry.shape) == 2}
+    wanted = [PER_LAYER_GGUF_NAME if original.name.endswith(PER_LAYER_NAME) else None,
+              original.name]
+    name = next((n for n in wanted if n in tensors), None)
+    if name is None and len(tensors) == 1:
+        name = next(iter(tensors))
+    if name is None:
+        raise ValueError(f"{path}: no table that is a copy of {original.name!r}: looked for "
+                         f"{[n for n in wanted if n]} or a file of one 2-D tensor, found "
+                         f"{sorted(tensors)}")
+    copy = Table.from_gguf(path, name, gather_config)
+    if (copy.num_rows, copy.cols) != (original.num_rows, original.cols):
+        copy.close()
+        raise ValueError(f"{path}: {name!r} has {copy.num_rows} rows of {copy.cols}, but the table "
+                         f"it stands for, {original.name!r}, has {original.num_rows} rows of "
+                         f"{original.cols}")
+    return copy
 
 
 class _TablesWarnedAbout:
@@ -226,7 +270,7 @@ def _generic(name: str) -> str:
 
 
 def _replacement(name: str, original: nn.Embedding, table: Table, process_group,
-                 round_scale: bool) -> DiskEmbedding:
+                 round_scale: bool, checkpoint: Table) -> DiskEmbedding:
     want = (original.num_embeddings, original.embedding_dim)
     if (table.num_rows, table.cols) != want:
         raise ValueError(f"{name!r} is an embedding of {want[0]} x {want[1]}, but its table "
@@ -235,7 +279,7 @@ def _replacement(name: str, original: nn.Embedding, table: Table, process_group,
     weight = original.weight
     device = weight.device if weight.device.type != "meta" else torch.device("cpu")
     kwargs = dict(padding_idx=original.padding_idx, device=device, process_group=process_group,
-                  round_scale=round_scale)
+                  round_scale=round_scale, checkpoint=checkpoint)
     if _semantics(name, original) == "plain":
         return DiskEmbedding(table, weight.dtype, **kwargs)
     scale = original.embed_scale

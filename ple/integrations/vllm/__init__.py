@@ -24,6 +24,7 @@ PREFIX = "PLE_"
 # The architectures whose vLLM classes ple's replace, and where ple's live.
 ARCHITECTURES = {
     "Gemma3nForCausalLM": "ple.integrations.vllm.gemma3n:Gemma3nForCausalLM",
+    "Gemma4ForCausalLM": "ple.integrations.vllm.gemma4:Gemma4ForCausalLM",
     "Qwen4ExpForCausalLM": "ple.integrations.vllm.qwen4_exp_models:Qwen4ExpForCausalLM",
     "Qwen4ExpForConditionalGeneration":
         "ple.integrations.vllm.qwen4_exp_models:Qwen4ExpForConditionalGeneration",

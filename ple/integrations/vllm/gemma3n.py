@@ -41,8 +41,8 @@ from vllm.model_executor.models.utils import maybe_prefix
 from ple.layers.disk_embedding import DiskEmbedding
 
 from .settings import Settings, settings
-from .tables import (built_with, checkpoint_paths, keep_loading_lazy, key_compile_cache, logger,
-                     open_embedding, report)
+from .tables import (checkpoint_paths, keep_loading_lazy, key_compile_cache, logger,
+                     open_embedding, report, table_on_meta)
 
 # The module "auto" serves, under the text model, and its checkpoint tensor.
 PER_LAYER_MODULE = "self_decoder.embed_tokens_per_layer"
@@ -83,7 +83,7 @@ class Gemma3nForCausalLM(gemma3n.Gemma3nForCausalLM):
         if isinstance(asked.offload, tuple):
             _refuse_unknown(asked.offload)
         offloaded = asked.offload == "auto" or bool(_text_model_names(asked.offload))
-        with per_layer_table_on_meta() if offloaded else nullcontext():
+        with table_on_meta(gemma3n, PER_LAYER_PREFIX) if offloaded else nullcontext():
             self.model = Gemma3nTextModel(vllm_config=vllm_config,
                                           prefix=maybe_prefix(prefix, "model"))
         self.logits_processor = LogitsProcessor(config.vocab_size,
@@ -131,19 +131,6 @@ class Gemma3nForCausalLM(gemma3n.Gemma3nForCausalLM):
             weights = ((name, tensor) for name, tensor in weights
                        if not _is_per_layer_table(name))
         return super().load_weights(weights)
-
-
-def per_layer_table_on_meta():
-    """While vLLM's text model is built inside, its self-decoder builds the
-    per-layer table (vLLM's ``VocabParallelEmbedding`` of that prefix) on
-    the meta device: ple serves the table, and vLLM's parameter would
-    allocate the whole of it (on the GPU, on CUDA) for nothing."""
-
-    def build(*args, original, prefix: str = "", **kwargs):
-        with torch.device("meta") if prefix.endswith(PER_LAYER_PREFIX) else nullcontext():
-            return original(*args, prefix=prefix, **kwargs)
-
-    return built_with(gemma3n, "VocabParallelEmbedding", build)
 
 
 def _is_per_layer_table(name: str) -> bool:

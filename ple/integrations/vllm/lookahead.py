@@ -27,8 +27,8 @@ each table, the rows read ahead and not yet taken, as the table counts them
 forwards do.  The bytes are right either way.
 
 The ids are those the modules gather: the token ids for a ``DiskEmbedding``
-(Gemma 3n's ``embed_tokens_per_layer``), those outside the table taken as 0
-as Gemma 3n's per-layer inputs take them; the hashed n-gram ids for an
+(Gemma 3n's and Gemma 4's ``embed_tokens_per_layer``) as the model's family
+takes them (``ple.integrations.families``); the hashed n-gram ids for an
 ``NGramEmbedding`` (Qwen4Exp), by its own ``NGramHashing``, the request's
 ``ngram_size - 1`` tokens before the chunk as its context (EOS before the
 prompt), as vLLM's ``ngram_context`` gives them.
@@ -52,7 +52,7 @@ from ple.layers.lookahead import ReadAhead
 from ple.layers.ngram_embedding import NGramEmbedding
 from ple.layers.parallel import prefetch
 
-from ..families import GEMMA3N
+from ..families import FAMILIES, GEMMA3N, PerLayerInputs
 from .settings import settings
 from .tables import logger
 
@@ -77,8 +77,10 @@ class PrefillLookahead:
     vLLM schedules in a step; ``device``: the model's."""
 
     def __init__(self, modules: list[nn.Module], max_bytes: int, chunk_tokens: int,
-                 device: torch.device):
+                 device: torch.device, config=None):
         self.modules = modules
+        # The model's config: which family's ids a token table gathers.
+        self.config = config
         self.max_bytes = max_bytes
         self.chunk_tokens = chunk_tokens
         self.device = device
@@ -93,7 +95,8 @@ class PrefillLookahead:
                  device: torch.device) -> PrefillLookahead | None:
         """The lookahead of ``model``'s offloaded modules; None without any."""
         modules = [m for m in model.modules() if isinstance(m, (DiskEmbedding, NGramEmbedding))]
-        return cls(modules, max_bytes, chunk_tokens, device) if modules else None
+        return (cls(modules, max_bytes, chunk_tokens, device, getattr(model, "config", None))
+                if modules else None)
 
     def before_step(self, scheduler_output) -> None:
         """Takes the step's schedule: forgets the requests that ended, keeps
@@ -166,8 +169,9 @@ class PrefillLookahead:
                 return
             tickets = {key: [] for key in self.ahead}
             for module in self.modules:
-                tickets[id(module.table)].append(
-                    _prefetch(module, prompt.token_ids, start, stop, self.ahead[id(module.table)].owner))
+                tickets[id(module.table)].append(_prefetch(
+                    module, self.config, prompt.token_ids, start, stop,
+                    self.ahead[id(module.table)].owner))
             for key, ahead in self.ahead.items():
                 ahead.add(tickets[key])
             prompt.read_ahead.append((start, stop))
@@ -190,10 +194,11 @@ def _ids_per_token(module: nn.Module) -> int:
     return module.hashing.heads if isinstance(module, NGramEmbedding) else 1
 
 
-def _prefetch(module: nn.Module, token_ids: torch.Tensor, start: int, stop: int,
+def _prefetch(module: nn.Module, config, token_ids: torch.Tensor, start: int, stop: int,
               owner: int) -> int:
-    """Prefetches for ``owner`` the ids ``module`` gathers for the prompt's
-    tokens ``[start, stop)`` forwarded alone; returns the prefetch's ticket."""
+    """Prefetches for ``owner`` the ids ``module`` (of a model of ``config``)
+    gathers for the prompt's tokens ``[start, stop)`` forwarded alone;
+    returns the prefetch's ticket."""
     chunk = token_ids[start:stop]
     if isinstance(module, NGramEmbedding):
         history = module.hashing.context_size
@@ -201,7 +206,9 @@ def _prefetch(module: nn.Module, token_ids: torch.Tensor, start: int, stop: int,
         eos = torch.full((history - before.numel(),), module.hashing.eos_id, dtype=torch.int64)
         ids = module.row_ids(chunk, None, torch.cat([eos, before]).unsqueeze(0))
     else:
-        ids = GEMMA3N.token_ids(None, module, chunk)
+        family = FAMILIES.get(getattr(config, "model_type", None))
+        ids = (family if isinstance(family, PerLayerInputs) else GEMMA3N).token_ids(
+            config, module, chunk)
     return prefetch(module.table, ids, module.split, owner)
 
 

@@ -8,7 +8,7 @@ the meta device or as another class)."""
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import torch
@@ -63,6 +63,20 @@ def built_with(module, name: str, build: Callable) -> Iterator[None]:
         yield
     finally:
         setattr(module, name, original)
+
+
+def table_on_meta(module, prefix_end: str):
+    """While a vLLM model is built inside, ``module`` (one of vLLM's model
+    files) builds the ``VocabParallelEmbedding`` whose prefix ends with
+    ``prefix_end`` on the meta device: ple serves that table, and vLLM's
+    parameter would allocate the whole of it (on the GPU, on CUDA) for
+    nothing."""
+
+    def build(*args, original, prefix: str = "", **kwargs):
+        with torch.device("meta") if prefix.endswith(prefix_end) else nullcontext():
+            return original(*args, prefix=prefix, **kwargs)
+
+    return built_with(module, "VocabParallelEmbedding", build)
 
 
 def open_embedding(name: str, files: list[Path], tensor: str, shape: tuple[int, int],
