@@ -204,6 +204,8 @@ class Table:
             whatever the working directory is by then.
         file_ids: ``(device, inode)`` of each of ``paths`` when opened: the
             files it is served from, whatever names they have.
+        tensor_names: the table's tensors as messages name them: the
+            tensor's name, or ``<prefix>.shard_{0..n-1}.weight``.
         handle: the str the operators take (``torch.ops.ple.disk_gather(ids,
             table.handle)``): the table's name and a digest of its files'
             identity and its layout, so that compiled code, captured CUDA
