@@ -13,6 +13,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -65,8 +66,8 @@ def test_the_checkpoint_is_the_layout_transformers_saves(tmp_path):
 def test_e4b_has_the_published_sizes():
     """The sizes issue 40 and the docs give: a 262,144 x 10,752 table of
     5.6 GB in a checkpoint of about 16 GB."""
-    config, shards, names = bench_gemma4._plan(bench_gemma4.E4B)
-    info = bench_gemma4._checkpoint_info(shards, names, bench_gemma4.E4B, 0)
+    config, shards, names = bench_gemma4.plan_checkpoint(bench_gemma4.E4B)
+    info = bench_gemma4.checkpoint_info(shards, names, bench_gemma4.E4B, 0)
     assert (info["table_rows"], info["table_cols"]) == (262_144, 42 * 256)
     assert info["table_bytes"] == 5_637_144_576
     assert 15e9 < info["bytes"] < 17e9
@@ -133,7 +134,7 @@ def test_a_second_run_reuses_the_checkpoint_and_its_copy(tiny_run):
          "--dir", str(directory / "ckpt"), "--arms", "ple-q5_k", "--new-tokens", "2"],
         capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout + run.stderr
-    assert "(reused)\n  per-layer-table-q5_k.gguf: 0.00 GiB (reused)\n" in run.stdout
+    assert "(reused)\n  per-layer-table-q5_k.gguf: 0.08 MiB (reused)\n" in run.stdout
     assert {p.name: p.stat().st_mtime_ns for p in (directory / "ckpt").iterdir()} == before
 
 
@@ -190,6 +191,16 @@ def test_a_directory_holding_a_model_is_refused_and_left_as_it_was(tmp_path, cap
                                     bench_gemma4.INFO)
     assert capsys.readouterr().err == f"error: {message}\n"
     assert directory_bytes(tmp_path) == before
+
+
+def test_a_disk_without_room_is_refused_before_anything_is_written(tmp_path, monkeypatch,
+                                                                   capsys):
+    monkeypatch.setattr(bench_gemma4.shutil, "disk_usage",
+                        lambda path: SimpleNamespace(total=2**40, used=2**40, free=2**20))
+    assert bench_gemma4.main(["--tiny", "--device", "cpu", "--dir", str(tmp_path / "ckpt")]) == 2
+    assert capsys.readouterr().err == (f"error: {tmp_path / 'ckpt'}: the gemma-4-tiny checkpoint "
+                                       "takes 1.81 MiB, and its filesystem has 1.00 MiB free\n")
+    assert list(tmp_path.iterdir()) == []
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="has a CUDA GPU")

@@ -266,7 +266,7 @@ def _nbytes(shape: tuple[int, ...]) -> int:
     return 2 * count  # bf16
 
 
-def shard_names(tensors, shard_bytes: int) -> list[list]:
+def group_into_shards(tensors, shard_bytes: int) -> list[list]:
     """The tensors grouped into shards of at most ``shard_bytes`` (a larger
     tensor alone), in order."""
     shards, size = [[]], 0
@@ -308,14 +308,16 @@ def write_shard(path: Path, tensors, block: RandomBlock) -> None:
         os.fsync(handle.fileno())
 
 
-def _plan(model: Model):
+def plan_checkpoint(model: Model) -> tuple:
+    """The config of ``model``, its tensors in shards, and the shards' file names."""
     config = gemma4_config(model)
-    shards = shard_names(checkpoint_tensors(config), model.shard_bytes)
+    shards = group_into_shards(checkpoint_tensors(config), model.shard_bytes)
     names = [shard_file(i, len(shards)) for i in range(len(shards))]
     return config, shards, names
 
 
-def _checkpoint_info(shards, names: list[str], model: Model, seed: int) -> dict:
+def checkpoint_info(shards, names: list[str], model: Model, seed: int) -> dict:
+    """What the marker records of a checkpoint: its model, sizes and table."""
     (rows, cols), = [shape for shard in shards for name, shape, _ in shard if name == TABLE]
     return {"model": model.name, "seed": seed, "shards": len(names),
             "bytes": sum(_nbytes(shape) for shard in shards for _, shape, _ in shard),
@@ -336,17 +338,34 @@ def reusable_checkpoint(directory: Path, model: Model, seed: int) -> dict | None
     return None
 
 
+def refuse_without_room(directory: Path, need: int, what: str, freed: list[str]) -> None:
+    """A RuntimeError where the filesystem of ``directory`` has less than
+    ``need`` bytes free once the files ``freed`` (of ``directory``) are
+    deleted."""
+    existing = directory.resolve()
+    while not existing.exists():
+        existing = existing.parent
+    free = shutil.disk_usage(existing).free + sum(
+        (directory / name).stat().st_size for name in freed if (directory / name).is_file())
+    if need > free:
+        raise RuntimeError(f"{directory}: {what} takes {size(need)}, and its filesystem has "
+                           f"{size(free)} free")
+
+
 def write_checkpoint(directory: Path, model: Model, seed: int) -> dict:
     """Writes the checkpoint of ``model`` into ``directory`` and returns its
-    record (also in its ple_bench.json).  Raises ForeignFilesError, before
-    deleting or writing anything, when ``directory`` holds a file that its
-    ple_bench.json does not list."""
+    record (also in its ple_bench.json).  Raises ForeignFilesError, and a
+    RuntimeError where the disk has too little room, before deleting or
+    writing anything: ForeignFilesError when ``directory`` holds a file that
+    its ple_bench.json does not list."""
     marker = directory / INFO
     record = written.read_record(marker, TOOL)
     written.refuse_foreign(directory, marker, record)
-    config, shards, names = _plan(model)
+    config, shards, names = plan_checkpoint(model)
     files = [*names, INDEX_FILE, "config.json"]
-    info = _checkpoint_info(shards, names, model, seed)
+    info = checkpoint_info(shards, names, model, seed)
+    refuse_without_room(directory, info["bytes"], f"the {model.name} checkpoint",
+                        record["files"] if record else [])
     written.begin(directory, marker, TOOL, record, files)
     block = RandomBlock(seed)
     weight_map = {}
@@ -359,6 +378,15 @@ def write_checkpoint(directory: Path, model: Model, seed: int) -> dict:
     config.save_pretrained(directory)
     written.finish(marker, TOOL, files, **info, copies={})
     return written.read_record(marker, TOOL)
+
+
+def gib(value: float) -> str:
+    return f"{value / 2**30:.2f}"
+
+
+def size(nbytes: int) -> str:
+    """``nbytes`` in GiB, or MiB below 1 GiB."""
+    return f"{gib(nbytes)} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.2f} MiB"
 
 
 def copy_name(qtype: str) -> str:
@@ -379,13 +407,16 @@ def ensure_copy(directory: Path, record: dict, qtype: str) -> tuple[dict, bool]:
     """The record with the table's ``qtype`` GGUF copy beside the checkpoint,
     written by ple-quantize-table unless it is there; and whether it was
     written.  The marker lists the file before it is written (so that a
-    later run may replace it) and names it as the copy once it is whole."""
+    later run may replace it) and names it as the copy once it is whole.  A
+    RuntimeError where the disk has too little room or the tool fails."""
     from ple_tools import quantize_table
 
     marker = directory / INFO
     name = copy_name(qtype)
     if record["copies"].get(qtype) == name and (directory / name).is_file():
         return record, False
+    refuse_without_room(directory, copy_bytes(record, qtype), f"the {qtype} copy of the table",
+                        [name])
     fields = {k: v for k, v in record.items() if k not in ("written_by", "complete", "files")}
     files = sorted({*record["files"], name})
     written.write_record(marker, {"written_by": TOOL, "complete": True, "files": files, **fields})
@@ -491,7 +522,23 @@ def move_table_to_cpu(model, device: torch.device) -> None:
     torch.cuda.empty_cache()
 
 
+def first_token_streamer(phases: Phases):
+    """A generate() streamer that notes when each token comes and ends the
+    prefill phase (beginning the decode phase) at the first new token."""
+    from ple_tools.bench_transformers import TokenTimes
+
+    class FirstToken(TokenTimes):
+        def put(self, value) -> None:
+            super().put(value)
+            if len(self.times) == 2:  # the prompt, then the first new token
+                phases.end("prefill")
+                phases.begin()
+
+    return FirstToken()
+
+
 def load(spec: dict, device: torch.device):
+    """The arm's model on ``device``, as the arm loads it."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -529,8 +576,6 @@ def run_arm(spec: dict) -> dict:
     import torch
     import transformers
 
-    from ple_tools.bench_transformers import TokenTimes
-
     transformers.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
     device = torch.device(spec["device"])
@@ -554,16 +599,6 @@ def run_arm(spec: dict) -> dict:
     if spec["prefill_chunk"]:
         options["prefill_chunk_size"] = spec["prefill_chunk"]
     new = spec["new_tokens"]
-
-    class FirstToken(TokenTimes):
-        """Closes the prefill phase at the first new token."""
-
-        def put(self, value) -> None:
-            super().put(value)
-            if len(self.times) == 2:  # the prompt, then the first token
-                phases.end("prefill")
-                phases.begin()
-
     with torch.inference_mode():
         model.generate(warmup, attention_mask=torch.ones_like(warmup), max_new_tokens=2,
                        min_new_tokens=2, **options)
@@ -572,7 +607,7 @@ def run_arm(spec: dict) -> dict:
             for table in tables(model).values():
                 table.drop_page_cache()  # the pages it maps stay cached otherwise
         phases.begin()
-        streamer = FirstToken()
+        streamer = first_token_streamer(phases)
         start = time.perf_counter()
         out = model.generate(prompt, attention_mask=torch.ones_like(prompt),
                              max_new_tokens=1 + new, min_new_tokens=1 + new, streamer=streamer,
@@ -596,46 +631,27 @@ def child_main(spec_json: str) -> None:
 
 # ---- the run ------------------------------------------------------------------------
 
-def gib(value: float) -> str:
-    return f"{value / 2**30:.2f}"
-
-
-def free_bytes(directory: Path) -> int:
-    """Free bytes on the filesystem that holds (or will hold) ``directory``."""
-    existing = directory.resolve()
-    while not existing.exists():
-        existing = existing.parent
-    return shutil.disk_usage(existing).free
-
-
 def prepare(args, arms: list[Arm]) -> dict:
     """The checkpoint and the copies the arms read, written where they are
     not there yet; raises RuntimeError where the disk has too little room."""
     model = TINY if args.tiny else E4B
     start = time.perf_counter()
     record = reusable_checkpoint(args.dir, model, args.seed)
-    qtypes = [arm.qtype for arm in arms if arm.qtype]
     if record is None:
-        config, shards, names = _plan(model)
-        info = _checkpoint_info(shards, names, model, args.seed)
-        need = info["bytes"] + sum(copy_bytes(info, q) for q in qtypes)
-        if need > free_bytes(args.dir):
-            raise RuntimeError(f"{args.dir}: the checkpoint and its copies take {gib(need)} GiB, "
-                               f"and its filesystem has {gib(free_bytes(args.dir))} GiB free")
         record = write_checkpoint(args.dir, model, args.seed)
         seconds = time.perf_counter() - start
         how = f"written in {seconds:.1f} s ({record['bytes'] / seconds / 1e9:.2f} GB/s)"
     else:
         how = "reused"
-    print(f"checkpoint {args.dir}: {model.name}, {gib(record['bytes'])} GiB in {record['shards']} "
+    print(f"checkpoint {args.dir}: {model.name}, {size(record['bytes'])} in {record['shards']} "
           f"files, the per-layer table {record['table_rows']:,} x {record['table_cols']:,} bf16 "
-          f"({gib(record['table_bytes'])} GiB) ({how})", flush=True)
-    for qtype in qtypes:
+          f"({size(record['table_bytes'])}) ({how})", flush=True)
+    for qtype in (arm.qtype for arm in arms if arm.qtype):
         start = time.perf_counter()
         record, wrote = ensure_copy(args.dir, record, qtype)
-        size = (args.dir / copy_name(qtype)).stat().st_size
+        nbytes = (args.dir / copy_name(qtype)).stat().st_size
         how = f"written in {time.perf_counter() - start:.1f} s" if wrote else "reused"
-        print(f"  {copy_name(qtype)}: {gib(size)} GiB ({how})", flush=True)
+        print(f"  {copy_name(qtype)}: {size(nbytes)} ({how})", flush=True)
     return record
 
 
