@@ -316,23 +316,33 @@ def plan_checkpoint(model: Model) -> tuple:
     return config, shards, names
 
 
-def checkpoint_info(shards, names: list[str], model: Model, seed: int) -> dict:
-    """What the marker records of a checkpoint: its model, sizes and table."""
+def config_digest(config) -> str:
+    """The SHA-256 of ``config`` as config.json holds it, less the version of
+    transformers that writes it."""
+    fields = {k: v for k, v in config.to_dict().items() if k != "transformers_version"}
+    return hashlib.sha256(json.dumps(fields, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def checkpoint_info(config, shards, names: list[str], model: Model, seed: int) -> dict:
+    """What the marker records of a checkpoint: its model, config, sizes and table."""
     (rows, cols), = [shape for shard in shards for name, shape, _ in shard if name == TABLE]
-    return {"model": model.name, "seed": seed, "shards": len(names),
+    return {"model": model.name, "config": config_digest(config), "seed": seed,
+            "shards": len(names),
             "bytes": sum(_nbytes(shape) for shard in shards for _, shape, _ in shard),
             "table_rows": rows, "table_cols": cols, "table_bytes": _nbytes((rows, cols))}
 
 
 def reusable_checkpoint(directory: Path, model: Model, seed: int) -> dict | None:
     """The record of the checkpoint in ``directory`` if this tool wrote it
-    whole for ``model`` and ``seed``; raises ForeignFilesError for a
-    directory holding files it did not write."""
+    whole for ``model`` (its config as this tool makes it) and ``seed``;
+    raises ForeignFilesError for a directory holding files it did not
+    write."""
     marker = directory / INFO
     record = written.read_record(marker, TOOL)
     written.refuse_foreign(directory, marker, record)
     if (record is not None and record["complete"]
-            and (record.get("model"), record.get("seed")) == (model.name, seed)
+            and (record.get("model"), record.get("config"), record.get("seed"))
+            == (model.name, config_digest(gemma4_config(model)), seed)
             and all((directory / name).is_file() for name in record["files"])):
         return record
     return None
@@ -363,7 +373,7 @@ def write_checkpoint(directory: Path, model: Model, seed: int) -> dict:
     written.refuse_foreign(directory, marker, record)
     config, shards, names = plan_checkpoint(model)
     files = [*names, INDEX_FILE, "config.json"]
-    info = checkpoint_info(shards, names, model, seed)
+    info = checkpoint_info(config, shards, names, model, seed)
     refuse_without_room(directory, info["bytes"], f"the {model.name} checkpoint",
                         record["files"] if record else [])
     written.begin(directory, marker, TOOL, record, files)
@@ -615,7 +625,8 @@ def run_arm(spec: dict) -> dict:
         phases.end("decode")
     steps = streamer.intervals_ms()
     tokens = out[0, prompt.shape[1]:].tolist()
-    return {"arm": spec["arm"], "device": str(device), "load_s": load_s,
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+    return {"arm": spec["arm"], "device": f"{device} ({name})", "load_s": load_s,
             "ttft_s": streamer.times[1] - start, "decode_ms": steps,
             "decode_tok_s": 1000 / statistics.median(steps), "tokens": tokens,
             "sha256": hashlib.sha256(json.dumps(tokens).encode()).hexdigest(),
@@ -768,9 +779,14 @@ def token_groups(results: list[dict], arms: list[Arm]) -> tuple[bool, list[str]]
     return ok, lines
 
 
+def mem_total() -> int:
+    with open("/proc/meminfo") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemTotal:"))
+
+
 def report(results: list[dict], arms: list[Arm], record: dict, cuda: bool) -> tuple[bool, dict]:
     done = [r for r in results if "failed" not in r]
-    print()
+    print(f"\ndevice: {', '.join(sorted({r['device'] for r in done})) or 'none'}")
     for r in results:
         if "failed" in r:
             print(f"round {r['round']} {r['arm']}: failed: {r['failed']}")
@@ -833,8 +849,9 @@ def run(args, arms: list[Arm]) -> tuple[int, dict]:
     except RuntimeError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2, {}
-    gpu = torch.cuda.get_device_name() if args.device == "cuda" else "no GPU"
-    print(f"machine: {os.cpu_count()} CPUs, {gpu}, torch {torch.__version__}; "
+    # The GPU is the children's alone: this process leaves CUDA uninitialized.
+    print(f"machine: {os.cpu_count()} CPUs, {mem_total() / 2**30:.0f} GiB, torch "
+          f"{torch.__version__}; "
           f"{args.prompt_tokens:,} prompt tokens"
           + (f" in chunks of {args.prefill_chunk:,}" if args.prefill_chunk else " in one forward")
           + f", {args.new_tokens} new tokens, {args.rounds} round(s)", flush=True)
