@@ -689,10 +689,20 @@ def run_turns(args, arms: list[Arm]) -> list[dict]:
                 record = run.lines[-1]
             results.append({**record, "round": turn, "seconds": run.seconds})
             print(f"  round {turn} {arm.name}: "
-                  + (record["failed"] if "failed" in record else
-                     f"TTFT {record['ttft_s']:.3f} s, {record['decode_tok_s']:.1f} tokens/s")
+                  + (record["failed"] if "failed" in record else progress(record))
                   + f" ({run.seconds:.0f} s)", file=sys.stderr, flush=True)
     return results
+
+
+def progress(record: dict) -> str:
+    """An arm's figures in one line, as it ends (what a run cut short keeps)."""
+    phases = record["phases"]
+    gpu = (f"GPU {gib(phases['load']['gpu_end'])} GiB after load, peaks "
+           f"{gib(phases['prefill']['gpu_peak'])} prefill, {gib(phases['decode']['gpu_peak'])} "
+           "decode; " if "gpu_end" in phases["load"] else "")
+    return (f"load {record['load_s']:.1f} s; {gpu}RSS {gib(phases['decode']['rss_end'])} GiB at "
+            f"the end; TTFT {record['ttft_s']:.3f} s; {record['decode_tok_s']:.1f} tokens/s; "
+            f"tokens {record['sha256'][:16]}")
 
 
 def medians(results: list[dict]) -> dict[str, dict]:
@@ -726,7 +736,7 @@ def goals(figures: dict[str, dict], table_bytes: int, arms: list[Arm]) -> list[d
                     ("decode_gpu_peak", "decode peak"), ("decode_device_used", "device used")]
             checks.append({"arm": arm.name, "goal": "GPU memory <= cpu-table's",
                            "met": all(mine[k] <= workaround[k] for k, _ in keys),
-                           "detail": ", ".join(f"{what} {gib(mine[k])} vs {gib(workaround[k])}"
+                           "detail": ", ".join(f"{what} {gib(mine[k])} vs {gib(workaround[k])} GiB"
                                                for k, what in keys)})
         if workaround is not None:
             bound = workaround["decode_rss_end"] - table_bytes
