@@ -67,6 +67,7 @@ import os
 import shutil
 import statistics
 import struct
+import subprocess
 import sys
 import time
 import zlib
@@ -404,13 +405,11 @@ def copy_name(qtype: str) -> str:
 
 
 def copy_bytes(record: dict, qtype: str) -> int:
-    """About what the GGUF copy of the table in ``qtype`` takes."""
-    from ple.formats import BLOCK_FORMATS
+    """About what the GGUF copy of the table in ``qtype`` takes: its rows."""
+    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
-    rows, cols = record["table_rows"], record["table_cols"]
-    row = (BLOCK_FORMATS[qtype].row_bytes(cols) if qtype in BLOCK_FORMATS
-           else cols * {"f32": 4, "f16": 2, "bf16": 2}[qtype])
-    return rows * row
+    block, block_bytes = GGML_QUANT_SIZES[GGMLQuantizationType[qtype.upper()]]
+    return record["table_rows"] * record["table_cols"] // block * block_bytes
 
 
 def ensure_copy(directory: Path, record: dict, qtype: str) -> tuple[dict, bool]:
@@ -418,8 +417,10 @@ def ensure_copy(directory: Path, record: dict, qtype: str) -> tuple[dict, bool]:
     written by ple-quantize-table unless it is there; and whether it was
     written.  The marker lists the file before it is written (so that a
     later run may replace it) and names it as the copy once it is whole.  A
-    RuntimeError where the disk has too little room or the tool fails."""
-    from ple_tools import quantize_table
+    RuntimeError where the disk has too little room or the tool fails.  The
+    tool runs in a process of its own: this one keeps off ple's native part
+    and the GPU."""
+    from ple_tools.arm_child import module_command
 
     marker = directory / INFO
     name = copy_name(qtype)
@@ -430,11 +431,9 @@ def ensure_copy(directory: Path, record: dict, qtype: str) -> tuple[dict, bool]:
     fields = {k: v for k, v in record.items() if k not in ("written_by", "complete", "files")}
     files = sorted({*record["files"], name})
     written.write_record(marker, {"written_by": TOOL, "complete": True, "files": files, **fields})
-    try:
-        status = quantize_table.main([str(directory), str(directory / name), "--type", qtype,
-                                      "--force"])
-    except SystemExit as refused:  # its usage error
-        status = refused.code
+    status = subprocess.run(module_command("ple_tools.quantize_table", str(directory),
+                                           str(directory / name), "--type", qtype, "--force"),
+                            stdout=sys.stderr).returncode
     if status != 0:
         raise RuntimeError(f"ple-quantize-table could not write the {qtype} copy of the table "
                            f"(exit status {status}; its message is above)")
