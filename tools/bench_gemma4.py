@@ -16,9 +16,9 @@ tensor by tensor into safetensors shards (the names and shapes of the model
 built on the meta device; vectors as the model's own init makes them, every
 matrix a random block tiled over it, so that no tensor is ever in memory) and
 reused while its ``ple_bench.json`` says this tool wrote it for the same
-model; a directory holding files the tool did not write is refused.  The
-quantized copies that ``ple-TYPE`` arms read are written beside it once by
-``ple-quantize-table``.
+config and seed; a directory holding files the tool did not write is
+refused.  The copies that ``ple-TYPE`` arms read are written beside it once,
+by ``ple-quantize-table``.
 
 Arms, by turns, each in a process of its own started after the checkpoint's
 pages were dropped from the page cache (``--rounds`` repeats the turn):
@@ -38,21 +38,23 @@ pages were dropped from the page cache (``--rounds`` repeats the turn):
 
 Each arm loads, runs a short warm-up ``generate`` (kernels compiled, libraries
 initialized), drops the checkpoint's pages again, then runs one greedy
-``generate`` of ``--prompt-tokens`` random ids (``--prefill-chunk`` N passes
-``prefill_chunk_size=N``; 0, the default, prefills as transformers does by
-default, in one forward) and ``--new-tokens`` more.  Measured per phase (load;
-prefill, to the first token; decode): torch's GPU memory (peak and at the
-phase's end: ``max_memory_allocated``, ``memory_allocated``), the GPU's used
-memory at the phase's end (``mem_get_info``: the process's CUDA context,
-allocator pools and everything else, with no other process on the GPU), the
-process's VmRSS and VmHWM (reset at each phase), the bytes it had read from
-the disk (``/proc/self/io``) and, for ple's arms, the table's counters.  TTFT
-is the time to the first token of the cold prompt, decode speed the median
-step.  Every arm must generate the same tokens (their SHA-256 is printed;
-the exit status is 1 otherwise); a quantized copy's arm is compared only with
-its own runs.  Then the goals: ple's GPU memory at most the cpu-table arm's,
-its RSS at most the cpu-table arm's less the table, its TTFT and decode speed
-within 1.05x of transformers alone.
+``generate`` of ``--prompt-tokens`` random ids (uniform over the vocabulary
+below its placeholders: nearly every token a row of its own, more rows than
+text reads; ``--prefill-chunk`` N passes ``prefill_chunk_size=N``; 0, the
+default, prefills as transformers does by default, in one forward) and
+``--new-tokens`` more. Measured per phase (load; prefill, to the first token;
+decode): torch's GPU memory (peak and at the phase's end:
+``max_memory_allocated``, ``memory_allocated``), the GPU's used memory at the
+phase's end (``mem_get_info``: the process's CUDA context, allocator pools and
+everything else, with no other process on the GPU), the process's VmRSS and
+VmHWM (reset at each phase), the bytes it had read from the disk
+(``/proc/self/io``) and, for ple's arms, the table's counters. TTFT is the
+time to the first token of the cold prompt, decode speed the median step.
+Every arm must generate the same tokens (their SHA-256 is printed; the exit
+status is 1 otherwise), but a quantized copy's arm (not bf16 or f32) is
+compared only with its own runs. Then the goals: ple's GPU memory at most the
+cpu-table arm's, its RSS at most the cpu-table arm's less the table, its TTFT
+and decode speed within 1.05x of transformers alone.
 
 ``--tiny`` writes a tiny model of the same structure instead (for CI; with
 ``--device cpu`` it runs on the CPU in seconds, without the GPU columns).
