@@ -78,7 +78,7 @@ def probe(name: str) -> tuple[dict, str]:
 def test_every_script_is_a_tool_and_installed():
     assert set(SCRIPTS) == {"ple-demo", "ple-make-table", "ple-quantize-table", "ple-bench-gather",
                             "ple-bench-warm", "ple-bench-serving", "ple-bench-gpu", "ple-bench-layers",
-                            "ple-tiny-model", "ple-bench-transformers",
+                            "ple-tiny-model", "ple-bench-transformers", "ple-bench-gemma4",
                             "ple-bench-tensor-parallel", "ple-bench-prefill", "ple-bench-vllm"}
     for name, target in SCRIPTS.items():
         assert target.endswith(":main") and tool_file(target).is_file(), (name, target)

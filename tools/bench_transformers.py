@@ -238,9 +238,10 @@ def existing_checkpoint(directory: Path, table_bytes: float, dtype: str,
     return None
 
 
-def drop_page_cache(directory: Path) -> None:
-    """Evicts the checkpoint's pages from the page cache (clean pages only)."""
-    for file in directory.rglob("*.safetensors"):
+def drop_page_cache(directory: Path, pattern: str = "*.safetensors") -> None:
+    """Evicts the pages of the files under ``directory`` that ``pattern``
+    matches (the checkpoint's) from the page cache (clean pages only)."""
+    for file in directory.rglob(pattern):
         fd = os.open(file, os.O_RDONLY)
         try:
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
