@@ -236,7 +236,8 @@ def test_rows_are_read_a_chunk_at_a_time(checkpoint, tmp_path, monkeypatch):
 
     monkeypatch.setattr(quantize_table, "quantize_rows", recording)
     chunk = 16 * COLS * 4
-    assert call_tool(directory, tmp_path / "t.gguf", "--chunk-mib", chunk / 2**20) == 0
+    assert call_tool(directory, tmp_path / "t.gguf", "--chunk-mib", chunk / 2**20,
+                     "--jobs", 1) == 0  # one process: this one, which records
     assert max(seen) == chunk and sum(seen) == ROWS * COLS * 4 and len(seen) == -(-ROWS // 16)
 
 
@@ -253,8 +254,16 @@ def test_a_failure_part_way_leaves_no_file(checkpoint, tmp_path, monkeypatch):
 
     monkeypatch.setattr(quantize_table, "quantize_rows", interrupted)
     with pytest.raises(KeyboardInterrupt):
-        call_tool(directory, tmp_path / "t.gguf", "--chunk-mib", 0.01)
+        call_tool(directory, tmp_path / "t.gguf", "--chunk-mib", 0.01, "--jobs", 1)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_processes_write_the_bytes_one_process_writes(checkpoint, tmp_path):
+    directory, _ = checkpoint
+    for jobs in (1, 3):
+        assert call_tool(directory, tmp_path / f"t{jobs}.gguf", "--type", "q5_k",
+                         "--chunk-mib", 0.01, "--jobs", jobs) == 0
+    assert (tmp_path / "t1.gguf").read_bytes() == (tmp_path / "t3.gguf").read_bytes()
 
 
 def test_a_value_that_is_not_finite_is_named_and_nothing_is_written(tmp_path, capsys):

@@ -491,6 +491,7 @@ OUTPUTS = {
     "ple-bench-vllm": [("--dir", True), ("--json", False)],
     "ple-tiny-model": [("--out", True)],
     "ple-quantize-table": [("output", False)],
+    "ple-bench-gemma4": [("--dir", True), ("--json", False)],
 }
 # The positional arguments before a tool's positional output.
 BEFORE = {"ple-quantize-table": ["checkpoint"]}

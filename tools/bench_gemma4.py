@@ -78,7 +78,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ple_tools import written
-from ple_tools.argtypes import non_negative_int, positive_float, positive_int, seed
+from ple_tools.argtypes import (OutputDirectory, non_negative_int, positive_float, positive_int,
+                                seed)
 from ple_tools.figures import add_json_option, run_recorded
 
 if TYPE_CHECKING:  # for annotations; torch is imported after parsing (--help imports none)
@@ -876,7 +877,7 @@ def parse_args(argv=None) -> tuple[argparse.Namespace, list[Arm]]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      epilog=__doc__.split("\n\n", 2)[2],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--dir", type=Path, default=Path("data/bench_gemma4"),
+    parser.add_argument("--dir", action=OutputDirectory, default=Path("data/bench_gemma4"),
                         help="the checkpoint's directory: reused if this tool wrote the same "
                         "model there, else written there; a directory holding files it did not "
                         "write is refused (default data/bench_gemma4)")

@@ -9,8 +9,8 @@ shards an index names) or one file; the table is the 2-D tensor (or shard
 family) --tensor names, by default Gemma's per-layer table
 (model.language_model.embed_tokens_per_layer.weight, or
 model.embed_tokens_per_layer.weight).  Rows are read, quantized and written
-a chunk at a time (--chunk-mib of float32 values), never the whole table in
-memory; the GGUF file is written under a temporary name beside OUTPUT and
+a chunk at a time (--chunk-mib of float32 values) by --jobs processes, never
+the whole table in memory; the GGUF file is written under a temporary name beside OUTPUT and
 renamed to it when complete.  Its tensor is named as llama.cpp names the
 per-layer table (per_layer_token_embd.weight; the source's own name for any
 other table, or --name), so that ple.Table.from_gguf(OUTPUT, name) opens it,
@@ -22,12 +22,15 @@ ple.source.dtype).  Q4_K, Q5_K and Q6_K are written by ple's own quantizer
 from __future__ import annotations
 
 import argparse
+import multiprocessing
 import os
 import sys
+from collections import deque
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ple_tools.argtypes import OutputFile, positive_float
+from ple_tools.argtypes import OutputFile, positive_float, positive_int
 
 if TYPE_CHECKING:  # for annotations; imported after parsing
     import numpy as np
@@ -94,23 +97,21 @@ def _refuse(parser: argparse.ArgumentParser, args: argparse.Namespace):
     return source
 
 
-def write_table(source, output: Path, qtype: str, name: str, chunk_bytes: int) -> int:
+def write_table(source, output: Path, qtype: str, name: str, chunk_bytes: int,
+                jobs: int = 1) -> int:
     """Writes ``source`` (a ple.safetensors_tables.SelectedTable) as tensor
     ``name`` of type ``qtype`` to the GGUF file ``output``: under a temporary
-    name beside it, renamed once complete and on disk.  Returns its bytes.
-    A progress bar on stderr when it is a terminal."""
+    name beside it, renamed once complete and on disk, its chunks of rows
+    quantized by ``jobs`` processes.  Returns its bytes.  A progress bar on
+    stderr when it is a terminal."""
     import numpy as np
-    import torch
     from gguf import GGMLQuantizationType, GGML_QUANT_VERSION, GGUFValueType, GGUFWriter
     from tqdm.auto import tqdm
 
-    from ple.formats import BLOCK_FORMATS, applied_scale
-    from ple.kernels.decode import decode_rows
+    from ple.formats import BLOCK_FORMATS
 
     fmt = source.row_format
     rows, cols = sum(s.shape[0] for s in source.shards), source.shards[0].shape[1]
-    in_row_bytes = fmt.row_bytes(cols)
-    scale = applied_scale(source.scale, torch.float32, False)  # what decode_rows multiplies by
     ggml_type = GGMLQuantizationType[qtype.upper()]
     out_row_bytes = (BLOCK_FORMATS[qtype].row_bytes(cols) if qtype in BLOCK_FORMATS
                      else cols * {"f32": 4, "f16": 2, "bf16": 2}[qtype])
@@ -137,20 +138,14 @@ def write_table(source, output: Path, qtype: str, name: str, chunk_bytes: int) -
             out.seek(0, os.SEEK_END)
             out.write(bytes(-out.tell() % alignment))
             done = 0
-            for shard in source.shards:
-                with open(shard.path, "rb") as f:
-                    for begin in range(0, shard.shape[0], chunk_rows):
-                        n = min(chunk_rows, shard.shape[0] - begin)
-                        raw = _read(f, shard.offset + begin * in_row_bytes, n * in_row_bytes)
-                        values = decode_rows(torch.frombuffer(raw, dtype=torch.uint8).view(n, -1),
-                                             fmt, scale, torch.float32).numpy()
-                        if qtype not in ("f32", "f16", "bf16") and not np.isfinite(values).all():
-                            row = done + int(np.argwhere(~np.isfinite(values))[0, 0])
-                            raise ValueError(f"{shard.path}: row {row} of {source.name!r} holds a "
-                                             f"value that is not finite, which {qtype} cannot hold")
-                        out.write(memoryview(quantize_rows(values, qtype)))
-                        done += n
-                        bar.update(n)
+            for path, data, bad in _quantized_chunks(source, qtype, chunk_rows, jobs):
+                if bad is not None:
+                    raise ValueError(f"{path}: row {done + bad} of {source.name!r} holds a value "
+                                     f"that is not finite, which {qtype} cannot hold")
+                out.write(data)
+                rows_done = len(data) // out_row_bytes
+                done += rows_done
+                bar.update(rows_done)
             out.flush()
             os.fsync(out.fileno())
             size = out.tell()
@@ -160,6 +155,58 @@ def write_table(source, output: Path, qtype: str, name: str, chunk_bytes: int) -
         raise
     _sync_directory(output.parent)
     return size
+
+
+def _quantized_chunks(source, qtype: str, chunk_rows: int, jobs: int):
+    """``(file, bytes, first bad row or None)`` of each chunk of
+    ``chunk_rows`` rows of ``source``, in row order, quantized by ``jobs``
+    processes with at most two chunks a process in flight (so memory stays
+    bounded)."""
+    import torch
+
+    from ple.formats import applied_scale
+
+    scale = applied_scale(source.scale, torch.float32, False)  # what decode_rows multiplies by
+    row_bytes = source.row_format.row_bytes(source.shards[0].shape[1])
+    tasks = [(str(shard.path), shard.offset + begin * row_bytes,
+              min(chunk_rows, shard.shape[0] - begin), row_bytes, source.row_format.name, scale,
+              qtype)
+             for shard in source.shards for begin in range(0, shard.shape[0], chunk_rows)]
+    if jobs <= 1 or len(tasks) <= 1:
+        yield from ((task[0], *quantized_chunk(*task)) for task in tasks)
+        return
+    context = multiprocessing.get_context("fork")
+    with ProcessPoolExecutor(min(jobs, len(tasks)), mp_context=context) as pool:
+        pending: deque = deque()
+        for task in tasks:
+            pending.append((task[0], pool.submit(quantized_chunk, *task)))
+            if len(pending) >= 2 * jobs:
+                path, future = pending.popleft()
+                yield (path, *future.result())
+        while pending:
+            path, future = pending.popleft()
+            yield (path, *future.result())
+
+
+def quantized_chunk(path: str, offset: int, rows: int, row_bytes: int, fmt_name: str,
+                    scale: float, qtype: str) -> tuple[bytes, int | None]:
+    """``rows`` rows of ``row_bytes`` of ``path`` from byte ``offset`` (of
+    ple's row format ``fmt_name``, their values times ``scale``) quantized to
+    ``qtype``, and the first of them holding a value ``qtype`` cannot hold
+    (not finite), else None: one process's task, which reads its rows itself."""
+    import numpy as np
+    import torch
+
+    from ple.formats import FORMATS
+    from ple.kernels.decode import decode_rows
+
+    with open(path, "rb") as f:
+        raw = _read(f, offset, rows * row_bytes)
+    values = decode_rows(torch.frombuffer(raw, dtype=torch.uint8).view(rows, -1),
+                         FORMATS[fmt_name], scale, torch.float32).numpy()
+    if qtype not in ("f32", "f16", "bf16") and not np.isfinite(values).all():
+        return b"", int(np.argwhere(~np.isfinite(values))[0, 0])
+    return quantize_rows(values, qtype).tobytes(), None
 
 
 def _read(f, offset: int, size: int) -> bytearray:
@@ -202,6 +249,9 @@ def parse_args(argv=None) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
     parser.add_argument("--chunk-mib", type=positive_float, default=64,
                         help="float32 values of the rows quantized at a time, in MiB (default 64): "
                         "what the tool holds besides its quantizer's temporaries")
+    parser.add_argument("--jobs", type=positive_int, default=len(os.sched_getaffinity(0)),
+                        help="processes quantizing chunks of rows at once (default: the CPUs "
+                        "this process may use)")
     parser.add_argument("--force", action="store_true", help="replace OUTPUT if it exists")
     return parser, parser.parse_args(argv)
 
@@ -214,7 +264,8 @@ def main(argv=None) -> int:
     print(f"quantizing {source.name!r} ({rows:,} x {cols} {source.row_format.name}) to "
           f"{args.type}, as {name!r} in {args.output}", file=sys.stderr)
     try:
-        size = write_table(source, args.output, args.type, name, int(args.chunk_mib * 2**20))
+        size = write_table(source, args.output, args.type, name, int(args.chunk_mib * 2**20),
+                           args.jobs)
     except (OSError, ValueError) as error:
         print(f"ple-quantize-table: error: {error}", file=sys.stderr)
         return 1
