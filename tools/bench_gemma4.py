@@ -87,6 +87,7 @@ if TYPE_CHECKING:  # for annotations; torch is imported after parsing (--help im
 
 TOOL = "ple-bench-gemma4"
 INFO = "ple_bench.json"  # the checkpoint's marker (ple_tools.written)
+WHAT = "a checkpoint"
 INDEX_FILE = "model.safetensors.index.json"
 TABLE = "model.language_model.embed_tokens_per_layer.weight"  # the published checkpoints' name
 TABLE_MODULE = TABLE.removesuffix(".weight")
@@ -343,7 +344,7 @@ def reusable_checkpoint(directory: Path, model: Model, seed: int) -> dict | None
     write."""
     marker = directory / INFO
     record = written.read_record(marker, TOOL)
-    written.refuse_foreign(directory, marker, record)
+    written.refuse_foreign(directory, marker, record, WHAT)
     if (record is not None and record["complete"]
             and (record.get("model"), record.get("config"), record.get("seed"))
             == (model.name, config_digest(gemma4_config(model)), seed)
@@ -374,7 +375,7 @@ def write_checkpoint(directory: Path, model: Model, seed: int) -> dict:
     its ple_bench.json does not list."""
     marker = directory / INFO
     record = written.read_record(marker, TOOL)
-    written.refuse_foreign(directory, marker, record)
+    written.refuse_foreign(directory, marker, record, WHAT)
     config, shards, names = plan_checkpoint(model)
     files = [*names, INDEX_FILE, "config.json"]
     info = checkpoint_info(config, shards, names, model, seed)
