@@ -7,9 +7,11 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <chrono>
 #include <cstdlib>
 #include <cstring>
 #include <exception>
+#include <thread>
 
 #include "host_gather.h"
 #include "counters.h"
@@ -60,6 +62,47 @@ bool python_finalizing() {
   std::abort();
 }
 
+// A test hook: while set, a call that lets go of the GIL on a thread other
+// than Python's main thread waits there until Python finalizes, then goes on.
+// Tests park daemon threads inside each entry point with it, and exit.
+std::atomic<bool> hold_calls{false};
+std::atomic<int64_t> held_calls{0};      // calls that waited
+std::atomic<int64_t> calls_back{0};      // of those, calls that came back for the GIL
+
+void hold_until_finalizing() {
+  held_calls.fetch_add(1);
+  while (!python_finalizing()) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+}
+
+// Keeps the process up, once Python has finalized, until every held call has
+// come back for the GIL, and a while after, for what that does to happen.
+void wait_for_held_calls() {
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+  while (calls_back.load() < held_calls.load() && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  std::this_thread::sleep_for(std::chrono::milliseconds(500));
+}
+
+// What every call that reads, waits or opens files runs under: the GIL let
+// go for its life.
+class WithoutGil {
+ public:
+  WithoutGil()
+      : held_(hold_calls.load() && PyThread_get_thread_ident() != main_thread.load()) {
+    if (held_) hold_until_finalizing();
+  }
+  ~WithoutGil() {
+    if (held_) calls_back.fetch_add(1);
+  }
+  WithoutGil(const WithoutGil&) = delete;
+  WithoutGil& operator=(const WithoutGil&) = delete;
+
+ private:
+  py::gil_scoped_release released_;
+  bool held_;
+};
+
 // Whether a signal handler raised during this thread's gather.
 thread_local bool handler_raised = false;
 
@@ -100,7 +143,7 @@ int64_t open_table(const std::vector<std::string>& paths, const std::vector<int6
                    int64_t row_bytes) {
   std::shared_ptr<ple::MappedTable> table;
   {
-    py::gil_scoped_release no_gil;
+    WithoutGil no_gil;
     table = std::make_shared<ple::MappedTable>(paths, shard_file, shard_offset, shard_rows, row_bytes);
   }
   return ple::register_table(std::move(table));
@@ -154,7 +197,7 @@ void configure(int64_t handle, const std::string& policy, uint64_t window_bytes,
   auto table = ple::find_table(handle);
   const ple::GatherConfig config{ple::parse_policy(policy), window_bytes, threads, row_cache_bytes,
                                  io_queue_depth, io_block_bytes, ple::parse_io(io)};
-  py::gil_scoped_release no_gil;  // opening files for direct reads may wait for the disk
+  WithoutGil no_gil;  // opening files for direct reads may wait for the disk
   table->set_config(config);
 }
 
@@ -190,7 +233,7 @@ void read_rows(int64_t handle, const torch::Tensor& ids, torch::Tensor& out, ple
   const bool is_int64 = ids.scalar_type() == torch::kInt64;
   PythonSignals signals;
   try {
-    py::gil_scoped_release no_gil;
+    WithoutGil no_gil;
     if (for_tiers) {
       ple::Interruption stop;
       ple::gather_rows(*table, id_data, is_int64, ids.numel(), out_data, resident,
@@ -212,7 +255,7 @@ uint64_t prefetch(int64_t handle, const torch::Tensor& ids, int64_t resident_beg
   const int64_t* data = ids.data_ptr<int64_t>();
   auto table = ple::find_table(handle);
   std::vector<int64_t> copy(data, data + ids.numel());
-  py::gil_scoped_release no_gil;
+  WithoutGil no_gil;
   return table->prefetch(std::move(copy), {resident_begin, resident_end}, owner);
 }
 
@@ -266,9 +309,21 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       },
       "How often a gather started on Python's main thread runs the signal handlers, in seconds "
       "(0.05 by default; 0: at every check, which tests use)");
+  m.def(
+      "hold_calls_until_exit",
+      [] {
+        static const int registered = std::atexit(&wait_for_held_calls);
+        (void)registered;
+        hold_calls.store(true);
+      },
+      "Test hook: from now on, a call that lets go of the GIL on a thread other than Python's main "
+      "thread waits there until Python finalizes; the process's exit waits for those calls to "
+      "come back for the GIL");
+  m.def("held_calls", [] { return held_calls.load(); },
+        "Calls that hold_calls_until_exit made wait");
   m.def("open_table", &open_table, "Maps a table's shards; returns its handle");
   // Without the GIL: closing waits for the table's prefetch thread to stop.
-  m.def("close_table", &ple::unregister_table, py::call_guard<py::gil_scoped_release>(),
+  m.def("close_table", &ple::unregister_table, py::call_guard<WithoutGil>(),
         "Forgets a handle and stops its prefetches; unmaps when no gather holds it");
   m.def("configure", &configure,
         "Sets policy, window (bytes), threads, row cache (bytes), io queue depth and io mode");
@@ -299,7 +354,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       [](int64_t handle, std::optional<uint64_t> owner, uint64_t through) {
         return ple::find_table(handle)->drop_prefetches(owner, through);
       },
-      py::call_guard<py::gil_scoped_release>(),
+      py::call_guard<WithoutGil>(),
       "Drops an owner's (None: every) prefetches up to a ticket that no gather has taken; returns "
       "their bytes once none of them is read");
   m.def(
@@ -309,14 +364,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         std::lock_guard<std::mutex> lock(table->row_cache().mutex());
         return table->row_cache().pinned_slots();
       },
-      py::call_guard<py::gil_scoped_release>(),
+      py::call_guard<WithoutGil>(),
       "Slots of a table's row cache that prefetches not yet taken hold pinned");
   m.def(
       "prefetched_bytes",
       [](int64_t handle, std::optional<uint64_t> owner) {
         return ple::find_table(handle)->prefetched_bytes(owner);
       },
-      py::call_guard<py::gil_scoped_release>(),
+      py::call_guard<WithoutGil>(),
       "The bytes of rows an owner's (None: every) prefetches hold");
   m.def(
       "launch_host_gather",
@@ -340,7 +395,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "The error of a failed host gather of a table on a stream, once");
   m.def("drop_page_cache", [](int64_t h) {
     auto table = ple::find_table(h);
-    py::gil_scoped_release no_gil;
+    WithoutGil no_gil;
     table->drop_page_cache();
   });
   m.def("forked_after_cuda", &ple::forked_after_cuda,
