@@ -2,6 +2,7 @@
 // counters, and the definitions Python takes from here (the settings'
 // fields and ranges, the policies, the counters).  Operators are registered
 // in Python (ops/), on top of these.
+#include <cxxabi.h>
 #include <pthread.h>
 #include <torch/extension.h>
 #include <unistd.h>
@@ -33,18 +34,6 @@ std::atomic<unsigned long> main_thread{0};
 const int main_thread_after_fork =
     ::pthread_atfork(nullptr, nullptr, [] { main_thread.store(PyThread_get_thread_ident()); });
 
-// CPython before 3.14 ends a thread that takes the GIL back during the
-// interpreter's finalization (a daemon thread coming back from a gather, or
-// from any torch call that released the GIL) with pthread_exit.  Its
-// unwinding cannot leave the noexcept destructor that was taking the GIL
-// back (pybind11's gil_scoped_release, ple's and torch's alike), so
-// std::terminate runs, and the process aborts instead of exiting with the
-// status sys.exit gave.  Such a thread waits here instead, as CPython 3.14
-// makes it wait itself, until the finalizing thread (Python's main thread)
-// ends the process; every other std::terminate goes to the handler that was
-// there before.
-std::terminate_handler terminate_before_ple = nullptr;
-
 bool python_finalizing() {
 #if PY_VERSION_HEX >= 0x030D0000
   return Py_IsFinalizing();
@@ -53,10 +42,42 @@ bool python_finalizing() {
 #endif
 }
 
+// CPython before 3.14 ends a thread that takes the GIL once the interpreter
+// finalizes (a daemon thread coming back from a gather, or waiting for the
+// GIL in Python code) with pthread_exit, which unwinds the thread's C++
+// frames: a noexcept one (any destructor that takes the GIL back: pybind11's
+// gil_scoped_release, torch's) turns that into std::terminate, and a frame
+// that gives up or takes back the GIL on the way (torch's dispatcher around a
+// Python kernel) corrupts the finalizing thread's.  So ple takes the GIL, and
+// calls Python from C++, through catch blocks that make such a thread wait
+// for the process's end where it was ended, unwinding nothing, as CPython
+// 3.14 makes it wait itself.
+[[noreturn]] void wait_for_process_end() {
+  for (;;) ::pause();
+}
+
+// `take()`, which takes the GIL or runs Python code, on a thread that
+// CPython may end there.
+template <typename Take>
+auto unless_ended_by_python(Take take) -> decltype(take()) {
+  try {
+    return take();
+  } catch (abi::__forced_unwind&) {
+    wait_for_process_end();
+  }
+}
+
+// The same end in torch's own frames (a torch operator that ple's Python
+// code calls, torch's dispatch around ple's operators) reaches
+// std::terminate; this handler makes such a thread (no active exception,
+// not the main thread, Python finalizing) wait for the process's end too,
+// and passes every other std::terminate to the handler that was there before.
+std::terminate_handler terminate_before_ple = nullptr;
+
 [[noreturn]] void park_threads_ended_by_finalization() {
   if (std::current_exception() == nullptr && python_finalizing() &&
       PyThread_get_thread_ident() != main_thread.load()) {
-    for (;;) ::pause();
+    wait_for_process_end();
   }
   if (terminate_before_ple != nullptr) terminate_before_ple();
   std::abort();
@@ -85,23 +106,36 @@ void wait_for_held_calls() {
 }
 
 // What every call that reads, waits or opens files runs under: the GIL let
-// go for its life.
+// go for its life, and taken back unless Python ends the thread.
 class WithoutGil {
  public:
   WithoutGil()
-      : held_(hold_calls.load() && PyThread_get_thread_ident() != main_thread.load()) {
+      : state_(PyEval_SaveThread()),
+        held_(hold_calls.load() && PyThread_get_thread_ident() != main_thread.load()) {
     if (held_) hold_until_finalizing();
   }
   ~WithoutGil() {
     if (held_) calls_back.fetch_add(1);
+    unless_ended_by_python([this] { PyEval_RestoreThread(state_); });
   }
   WithoutGil(const WithoutGil&) = delete;
   WithoutGil& operator=(const WithoutGil&) = delete;
 
  private:
-  py::gil_scoped_release released_;
+  PyThreadState* state_;
   bool held_;
 };
+
+// fn(*args, **kwargs), for torch's dispatcher, which calls ple's operator
+// kernels (Python functions) from frames of its own that give up and take
+// back the GIL: a thread that Python ends in the kernel's code is not
+// unwound through them.
+py::object call_kernel(const py::object& fn, const py::args& args, const py::kwargs& kwargs) {
+  PyObject* result =
+      unless_ended_by_python([&] { return PyObject_Call(fn.ptr(), args.ptr(), kwargs.ptr()); });
+  if (result == nullptr) throw py::error_already_set();
+  return py::reinterpret_steal<py::object>(result);
+}
 
 // Whether a signal handler raised during this thread's gather.
 thread_local bool handler_raised = false;
@@ -111,8 +145,8 @@ thread_local bool handler_raised = false;
 // KeyboardInterrupt) stops the gather; its exception stays set, to be
 // raised once the gather has stopped.
 bool poll_python_signals() {
-  const PyGILState_STATE gil = PyGILState_Ensure();
-  const bool raised = PyErr_CheckSignals() != 0;
+  const PyGILState_STATE gil = unless_ended_by_python([] { return PyGILState_Ensure(); });
+  const bool raised = unless_ended_by_python([] { return PyErr_CheckSignals(); }) != 0;
   PyGILState_Release(gil);
   handler_raised = handler_raised || raised;
   return raised;
@@ -321,6 +355,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       "come back for the GIL");
   m.def("held_calls", [] { return held_calls.load(); },
         "Calls that hold_calls_until_exit made wait");
+  m.def("call_kernel", &call_kernel,
+        "fn(*args, **kwargs) for torch's dispatcher: a thread that Python ends in fn as it "
+        "finalizes waits there for the process's end, unwound through none of torch's frames");
   m.def("open_table", &open_table, "Maps a table's shards; returns its handle");
   // Without the GIL: closing waits for the table's prefetch thread to stop.
   m.def("close_table", &ple::unregister_table, py::call_guard<WithoutGil>(),
