@@ -33,16 +33,28 @@ def _prebuilt():
     return module
 
 
+def _built(module: Path) -> bool:
+    """Whether ``module``, built by an earlier import, is newer than every
+    source it is built from (ninja then builds nothing)."""
+    if not module.exists():
+        return False
+    built_at = module.stat().st_mtime
+    return all(path.stat().st_mtime <= built_at
+               for pattern in ("*.cpp", "*.h") for path in SOURCE_DIR.glob(pattern))
+
+
 def _compile_now():
     from torch.utils import cpp_extension
 
     tag = torch_tag(torch.__version__)
+    name = f"ple_native_{tag}"
     build_dir = Path(os.environ.get("PLE_BUILD_DIR", Path.home() / ".cache" / "ple" / tag))
     build_dir.mkdir(parents=True, exist_ok=True)
-    log.warning("ple: compiling the native gather for torch %s in %s (once, about a minute)",
-                torch.__version__, build_dir)
+    if not _built(build_dir / f"{name}{cpp_extension.LIB_EXT}"):
+        log.warning("ple: compiling the native gather for torch %s in %s (once, about a minute)",
+                    torch.__version__, build_dir)
     return cpp_extension.load(
-        name=f"ple_native_{tag}",
+        name=name,
         sources=sources(SOURCE_DIR),
         extra_cflags=compile_args(torch.__version__),
         extra_ldflags=[f"-l{library}" for library in LIBRARIES],
