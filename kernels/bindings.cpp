@@ -2,14 +2,17 @@
 // counters, and the definitions Python takes from here (the settings'
 // fields and ranges, the policies, the counters).  Operators are registered
 // in Python (ops/), on top of these.
+#include <cxxabi.h>
 #include <pthread.h>
 #include <torch/extension.h>
 #include <unistd.h>
 
 #include <atomic>
+#include <chrono>
 #include <cstdlib>
 #include <cstring>
 #include <exception>
+#include <thread>
 
 #include "doorbell_gather.h"
 #include "host_gather.h"
@@ -32,18 +35,6 @@ std::atomic<unsigned long> main_thread{0};
 const int main_thread_after_fork =
     ::pthread_atfork(nullptr, nullptr, [] { main_thread.store(PyThread_get_thread_ident()); });
 
-// CPython before 3.14 ends a thread that takes the GIL back during the
-// interpreter's finalization (a daemon thread coming back from a gather, or
-// from any torch call that released the GIL) with pthread_exit.  Its
-// unwinding cannot leave the noexcept destructor that was taking the GIL
-// back (pybind11's gil_scoped_release, ple's and torch's alike), so
-// std::terminate runs, and the process aborts instead of exiting with the
-// status sys.exit gave.  Such a thread waits here instead, as CPython 3.14
-// makes it wait itself, until the finalizing thread (Python's main thread)
-// ends the process; every other std::terminate goes to the handler that was
-// there before.
-std::terminate_handler terminate_before_ple = nullptr;
-
 bool python_finalizing() {
 #if PY_VERSION_HEX >= 0x030D0000
   return Py_IsFinalizing();
@@ -52,13 +43,99 @@ bool python_finalizing() {
 #endif
 }
 
+// CPython before 3.14 ends a thread that takes the GIL once the interpreter
+// finalizes (a daemon thread coming back from a gather, or waiting for the
+// GIL in Python code) with pthread_exit, which unwinds the thread's C++
+// frames: a noexcept one (any destructor that takes the GIL back: pybind11's
+// gil_scoped_release, torch's) turns that into std::terminate, and a frame
+// that gives up or takes back the GIL on the way (torch's dispatcher around a
+// Python kernel) corrupts the finalizing thread's.  So ple takes the GIL, and
+// calls Python from C++, through catch blocks that make such a thread wait
+// for the process's end where it was ended, unwinding nothing, as CPython
+// 3.14 makes it wait itself.
+[[noreturn]] void wait_for_process_end() {
+  for (;;) ::pause();
+}
+
+// `take()`, which takes the GIL or runs Python code, on a thread that
+// CPython may end there.
+template <typename Take>
+auto unless_ended_by_python(Take take) -> decltype(take()) {
+  try {
+    return take();
+  } catch (abi::__forced_unwind&) {
+    wait_for_process_end();
+  }
+}
+
+// The same end in torch's own frames (a torch operator that ple's Python
+// code calls, torch's dispatch around ple's operators) reaches
+// std::terminate; this handler makes such a thread (no active exception,
+// not the main thread, Python finalizing) wait for the process's end too,
+// and passes every other std::terminate to the handler that was there before.
+std::terminate_handler terminate_before_ple = nullptr;
+
 [[noreturn]] void park_threads_ended_by_finalization() {
   if (std::current_exception() == nullptr && python_finalizing() &&
       PyThread_get_thread_ident() != main_thread.load()) {
-    for (;;) ::pause();
+    wait_for_process_end();
   }
   if (terminate_before_ple != nullptr) terminate_before_ple();
   std::abort();
+}
+
+// A test hook: while set, a call that lets go of the GIL on a thread other
+// than Python's main thread waits there until Python finalizes, then goes on.
+// Tests park daemon threads inside each entry point with it, and exit.
+std::atomic<bool> hold_calls{false};
+std::atomic<int64_t> held_calls{0};      // calls that waited
+std::atomic<int64_t> calls_back{0};      // of those, calls that came back for the GIL
+
+void hold_until_finalizing() {
+  held_calls.fetch_add(1);
+  while (!python_finalizing()) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+}
+
+// Keeps the process up, once Python has finalized, until every held call has
+// come back for the GIL, and a while after, for what that does to happen.
+void wait_for_held_calls() {
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+  while (calls_back.load() < held_calls.load() && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  std::this_thread::sleep_for(std::chrono::milliseconds(500));
+}
+
+// What every call that reads, waits or opens files runs under: the GIL let
+// go for its life, and taken back unless Python ends the thread.
+class WithoutGil {
+ public:
+  WithoutGil()
+      : state_(PyEval_SaveThread()),
+        held_(hold_calls.load() && PyThread_get_thread_ident() != main_thread.load()) {
+    if (held_) hold_until_finalizing();
+  }
+  ~WithoutGil() {
+    if (held_) calls_back.fetch_add(1);
+    unless_ended_by_python([this] { PyEval_RestoreThread(state_); });
+  }
+  WithoutGil(const WithoutGil&) = delete;
+  WithoutGil& operator=(const WithoutGil&) = delete;
+
+ private:
+  PyThreadState* state_;
+  bool held_;
+};
+
+// fn(*args, **kwargs), for torch's dispatcher, which calls ple's operator
+// kernels (Python functions) from frames of its own that give up and take
+// back the GIL: a thread that Python ends in the kernel's code is not
+// unwound through them.
+py::object call_kernel(const py::object& fn, const py::args& args, const py::kwargs& kwargs) {
+  PyObject* result =
+      unless_ended_by_python([&] { return PyObject_Call(fn.ptr(), args.ptr(), kwargs.ptr()); });
+  if (result == nullptr) throw py::error_already_set();
+  return py::reinterpret_steal<py::object>(result);
 }
 
 // Whether a signal handler raised during this thread's gather.
@@ -69,8 +146,8 @@ thread_local bool handler_raised = false;
 // KeyboardInterrupt) stops the gather; its exception stays set, to be
 // raised once the gather has stopped.
 bool poll_python_signals() {
-  const PyGILState_STATE gil = PyGILState_Ensure();
-  const bool raised = PyErr_CheckSignals() != 0;
+  const PyGILState_STATE gil = unless_ended_by_python([] { return PyGILState_Ensure(); });
+  const bool raised = unless_ended_by_python([] { return PyErr_CheckSignals(); }) != 0;
   PyGILState_Release(gil);
   handler_raised = handler_raised || raised;
   return raised;
@@ -101,7 +178,7 @@ int64_t open_table(const std::vector<std::string>& paths, const std::vector<int6
                    int64_t row_bytes) {
   std::shared_ptr<ple::MappedTable> table;
   {
-    py::gil_scoped_release no_gil;
+    WithoutGil no_gil;
     table = std::make_shared<ple::MappedTable>(paths, shard_file, shard_offset, shard_rows, row_bytes);
   }
   return ple::register_table(std::move(table));
@@ -155,7 +232,7 @@ void configure(int64_t handle, const std::string& policy, uint64_t window_bytes,
   auto table = ple::find_table(handle);
   const ple::GatherConfig config{ple::parse_policy(policy), window_bytes, threads, row_cache_bytes,
                                  io_queue_depth, io_block_bytes, ple::parse_io(io)};
-  py::gil_scoped_release no_gil;  // opening files for direct reads may wait for the disk
+  WithoutGil no_gil;  // opening files for direct reads may wait for the disk
   table->set_config(config);
 }
 
@@ -192,7 +269,7 @@ void read_rows(int64_t handle, const torch::Tensor& ids, torch::Tensor& out, ple
   const bool is_int64 = ids.scalar_type() == torch::kInt64;
   PythonSignals signals;
   try {
-    py::gil_scoped_release no_gil;
+    WithoutGil no_gil;
     if (for_tiers) {
       ple::Interruption stop;
       ple::gather_rows(*table, id_data, is_int64, ids.numel(), out_data, resident,
@@ -214,7 +291,7 @@ uint64_t prefetch(int64_t handle, const torch::Tensor& ids, int64_t resident_beg
   const int64_t* data = ids.data_ptr<int64_t>();
   auto table = ple::find_table(handle);
   std::vector<int64_t> copy(data, data + ids.numel());
-  py::gil_scoped_release no_gil;
+  WithoutGil no_gil;
   return table->prefetch(std::move(copy), {resident_begin, resident_end}, owner);
 }
 
@@ -295,9 +372,24 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       },
       "How often a gather started on Python's main thread runs the signal handlers, in seconds "
       "(0.05 by default; 0: at every check, which tests use)");
+  m.def(
+      "hold_calls_until_exit",
+      [] {
+        static const int registered = std::atexit(&wait_for_held_calls);
+        (void)registered;
+        hold_calls.store(true);
+      },
+      "Test hook: from now on, a call that lets go of the GIL on a thread other than Python's main "
+      "thread waits there until Python finalizes; the process's exit waits for those calls to "
+      "come back for the GIL");
+  m.def("held_calls", [] { return held_calls.load(); },
+        "Calls that hold_calls_until_exit made wait");
+  m.def("call_kernel", &call_kernel,
+        "fn(*args, **kwargs) for torch's dispatcher: a thread that Python ends in fn as it "
+        "finalizes waits there for the process's end, unwound through none of torch's frames");
   m.def("open_table", &open_table, "Maps a table's shards; returns its handle");
   // Without the GIL: closing waits for the table's prefetch thread to stop.
-  m.def("close_table", &ple::unregister_table, py::call_guard<py::gil_scoped_release>(),
+  m.def("close_table", &ple::unregister_table, py::call_guard<WithoutGil>(),
         "Forgets a handle and stops its prefetches; unmaps when no gather holds it");
   m.def("configure", &configure,
         "Sets policy, window (bytes), threads, row cache (bytes), io queue depth and io mode");
@@ -334,7 +426,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       [](int64_t handle, std::optional<uint64_t> owner, uint64_t through) {
         return ple::find_table(handle)->drop_prefetches(owner, through);
       },
-      py::call_guard<py::gil_scoped_release>(),
+      py::call_guard<WithoutGil>(),
       "Drops an owner's (None: every) prefetches up to a ticket that no gather has taken; returns "
       "their bytes once none of them is read");
   m.def("plan_prefetches", &plan_prefetches,
@@ -362,14 +454,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         std::lock_guard<std::mutex> lock(table->row_cache().mutex());
         return table->row_cache().pinned_slots();
       },
-      py::call_guard<py::gil_scoped_release>(),
+      py::call_guard<WithoutGil>(),
       "Slots of a table's row cache that prefetches not yet taken hold pinned");
   m.def(
       "prefetched_bytes",
       [](int64_t handle, std::optional<uint64_t> owner) {
         return ple::find_table(handle)->prefetched_bytes(owner);
       },
-      py::call_guard<py::gil_scoped_release>(),
+      py::call_guard<WithoutGil>(),
       "The bytes of rows an owner's (None: every) prefetches hold");
   m.def(
       "launch_host_gather",
@@ -411,7 +503,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "The error of a failed host gather of a table on a stream, once");
   m.def("drop_page_cache", [](int64_t h) {
     auto table = ple::find_table(h);
-    py::gil_scoped_release no_gil;
+    WithoutGil no_gil;
     table->drop_page_cache();
   });
   m.def("forked_after_cuda", &ple::forked_after_cuda,

@@ -33,6 +33,7 @@ as it runs, on the host, in a CUDA stream or on a captured graph's replays
 
 from __future__ import annotations
 
+import functools
 import sys
 import weakref
 
@@ -40,6 +41,7 @@ import torch
 
 from ple.formats import OUTPUT_DTYPES, applied_scale
 from ple.kernels.decode import decode_rows
+from ple.kernels.native import native
 from ple.table import Table, check_dense_ids, table_for_handle
 
 _lib = torch.library.Library("ple", "DEF")
@@ -69,6 +71,19 @@ def _keep_registered_while_python_runs(library: torch.library.Library) -> None:
 
 
 _keep_registered_while_python_runs(_lib)
+
+
+def _kernel(op: str, key: str):
+    """Registers the decorated function as ``op``'s kernel for dispatch key
+    ``key``.  torch's dispatcher calls a kernel from frames of its own that
+    give up and take back the GIL; ``native.call_kernel`` stands between them
+    and the kernel's Python code, so that a daemon thread that Python ends in
+    that code as the process exits waits there for the process's end instead
+    of being unwound through them (which aborts it)."""
+    def register(fn):
+        _lib.impl(op, functools.partial(native.call_kernel, fn), key)
+        return fn
+    return register
 
 
 def _checked(ids: torch.Tensor, handle: str, dtype: torch.dtype | None = None, owner: int = 0
@@ -113,13 +128,13 @@ def gather(table: Table, ids, dtype: torch.dtype | None = None, round_scale: boo
     return torch.ops.ple.disk_gather(ids, table.handle, dtype, round_scale)
 
 
-@torch.library.impl(_lib, "disk_gather_bytes", "CPU")
+@_kernel("disk_gather_bytes", "CPU")
 def _disk_gather_bytes_cpu(ids: torch.Tensor, table: str) -> torch.Tensor:
     checked, _ = _checked(ids, table)
     return checked.gather_bytes(ids)
 
 
-@torch.library.impl(_lib, "disk_gather", "CPU")
+@_kernel("disk_gather", "CPU")
 def _disk_gather_cpu(ids: torch.Tensor, table: str, dtype: torch.dtype | None = None,
                      round_scale: bool = False, scale: float | None = None, owner: int = 0
                      ) -> torch.Tensor:
@@ -128,7 +143,7 @@ def _disk_gather_cpu(ids: torch.Tensor, table: str, dtype: torch.dtype | None = 
                        _applied(checked, dtype, round_scale, scale), dtype)
 
 
-@torch.library.impl(_lib, "disk_gather", "CUDA")
+@_kernel("disk_gather", "CUDA")
 def _disk_gather_cuda(ids: torch.Tensor, table: str, dtype: torch.dtype | None = None,
                       round_scale: bool = False, scale: float | None = None, owner: int = 0
                       ) -> torch.Tensor:
@@ -170,4 +185,4 @@ def _refusing_layouts(op: str):
 for _op in ("disk_gather", "disk_gather_bytes"):
     for _key in ("SparseCPU", "SparseCUDA", "SparseCsrCPU", "SparseCsrCUDA", "NestedTensorCPU",
                  "NestedTensorCUDA", "AutogradNestedTensor"):
-        _lib.impl(_op, _refusing_layouts(_op), _key)
+        _kernel(_op, _key)(_refusing_layouts(_op))

@@ -1,6 +1,7 @@
 """A process that ends, or is told to, while threads gather: sys.exit with
-daemon threads inside gathers and prefetches pending, and a SIGTERM handler
-that joins gathering threads while the main thread gathers too.
+daemon threads inside gathers and prefetches pending, with daemon threads
+held inside each of ple's calls until Python finalizes, and a SIGTERM
+handler that joins gathering threads while the main thread gathers too.
 
 Each case runs with one gathering thread and with 16, whose gathers run on
 16 threads each: more native threads than CPUs on any machine these tests
@@ -117,6 +118,113 @@ def test_sys_exit_while_daemon_threads_gather_exits_with_its_status(table_path, 
     result = run(script, [str(table_path), str(threads), str(gather_threads), str(children)])
     assert (result.returncode, result.stdout, result.stderr) == (3, "", ""), (
         result.returncode, result.stdout[-6000:], result.stderr[-3000:])
+
+
+# Every call of ple that lets go of the GIL, by each route a program takes to
+# it: a daemon thread each, held there (native.hold_calls_until_exit) until
+# Python finalizes, then let go.  CPython before 3.14 ends a thread that comes
+# back for the GIL then with pthread_exit, whose unwinding must not meet a
+# frame it cannot pass (a noexcept destructor taking the GIL back aborts the
+# process).
+CALLS = {
+    "Table.gather_bytes": "t.gather_bytes(ids)",
+    "Table.prefetch": "t.prefetch(ids)",
+    "ple.gather": "ple.gather(t, ids)",
+    "torch.ops.ple.disk_gather": "torch.ops.ple.disk_gather(ids, t.handle)",
+    "torch.ops.ple.disk_gather_bytes": "torch.ops.ple.disk_gather_bytes(ids, t.handle)",
+    "Table.config": "t.config = ple.GatherConfig('none', 0, 2)",
+    "Table.place": "t.place(host_rows=100)",
+    "Table.drop_prefetches": "t.drop_prefetches()",
+    "Table.prefetched_bytes": "t.prefetched_bytes()",
+    "Table.drop_page_cache": "t.drop_page_cache()",
+    "Table.close": "t.close()",
+    "Table.from_safetensors": "ple.Table.from_safetensors(PATH)",
+}
+
+# Replaces the std::terminate handler (ple's, which makes such a thread wait)
+# with libstdc++'s default, as a library loaded after ple may: ple's own calls
+# must not need it.
+REPLACE_TERMINATE_HANDLER = """
+import ctypes
+libstdcxx = ctypes.CDLL("libstdc++.so.6")
+libstdcxx._ZSt13set_terminatePFvvE.restype = ctypes.c_void_p
+libstdcxx._ZSt13set_terminatePFvvE(ctypes.cast(
+    libstdcxx._ZN9__gnu_cxx27__verbose_terminate_handlerEv, ctypes.c_void_p))
+"""
+
+EXIT_WHILE_HELD = """
+from ple.kernels.native import native
+
+CALLS = eval(sys.argv[2])
+ids = torch.arange(1000)
+
+def call(statement):
+    t = ple.Table.from_safetensors(PATH)  # one each: one of them is closed
+    exec(statement)
+
+native.hold_calls_until_exit()
+for statement in CALLS.values():
+    threading.Thread(target=call, args=(statement,), daemon=True).start()
+deadline = time.monotonic() + 30
+while native.held_calls() < len(CALLS):
+    assert time.monotonic() < deadline, f"{native.held_calls()} of {len(CALLS)} calls held"
+    time.sleep(0.001)
+if sys.argv[3] == "replaced":
+    exec(REPLACE_TERMINATE_HANDLER)
+sys.exit(3)
+"""
+
+
+@pytest.mark.parametrize("terminate_handler", ["ple's", "replaced"])
+def test_sys_exit_while_daemon_threads_are_held_inside_each_call(table_path, terminate_handler):
+    """Each of ple's calls, on a daemon thread, lets go of the GIL and is held
+    there until Python finalizes, then comes back: the process exits with
+    sys.exit's status and says nothing, whoever handles std::terminate."""
+    script = (PRELUDE + f"REPLACE_TERMINATE_HANDLER = {REPLACE_TERMINATE_HANDLER!r}\n"
+              + textwrap.dedent(EXIT_WHILE_HELD))
+    result = run(script, [str(table_path), repr(CALLS), terminate_handler], timeout=60)
+    assert (result.returncode, result.stdout, result.stderr) == (3, "", ""), (
+        result.returncode, result.stdout[-3000:], result.stderr[-3000:])
+
+
+# Daemon threads running Python code inside ple's operators (their kernels
+# are Python functions, which torch's dispatcher calls from C++) when Python
+# finalizes: CPython ends each when it next waits for the GIL there.  A
+# Table.gather_bytes that spins stands in for the kernels' own Python code.
+EXIT_WHILE_IN_KERNELS = """
+CALLS = ["torch.ops.ple.disk_gather(ids, t.handle)",
+         "torch.ops.ple.disk_gather_bytes(ids, t.handle)", "ple.gather(t, ids)"]
+t = ple.Table.from_safetensors(PATH)
+ids = torch.arange(1000)
+inside = threading.Semaphore(0)
+
+def spin(self, ids):
+    inside.release()
+    while True:
+        pass
+
+ple.Table.gather_bytes = spin
+for statement in CALLS:
+    threading.Thread(target=exec, args=(statement, globals()), daemon=True).start()
+for _ in CALLS:
+    assert inside.acquire(timeout=30)
+if sys.argv[2] == "replaced":
+    exec(REPLACE_TERMINATE_HANDLER)
+sys.exit(3)
+"""
+
+
+@pytest.mark.parametrize("terminate_handler", ["ple's", "replaced"])
+def test_sys_exit_while_daemon_threads_run_python_inside_ple_operators(table_path,
+                                                                      terminate_handler):
+    """A thread that Python ends inside an operator's kernel is not unwound
+    through torch's dispatcher (whose frames take the GIL back or give it up
+    on the way): the process exits with sys.exit's status and says nothing."""
+    script = (PRELUDE + f"REPLACE_TERMINATE_HANDLER = {REPLACE_TERMINATE_HANDLER!r}\n"
+              + textwrap.dedent(EXIT_WHILE_IN_KERNELS))
+    result = run(script, [str(table_path), terminate_handler], timeout=60)
+    assert (result.returncode, result.stdout, result.stderr) == (3, "", ""), (
+        result.returncode, result.stdout[-3000:], result.stderr[-3000:])
 
 
 # The main thread gathers from `a` until a gather of it runs the SIGTERM
