@@ -198,7 +198,7 @@ t = ple.Table.from_safetensors(PATH)
 ids = torch.arange(1000)
 inside = threading.Semaphore(0)
 
-def spin(self, ids):
+def spin(self, ids, owner=0):
     inside.release()
     while True:
         pass
