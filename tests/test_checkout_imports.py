@@ -59,18 +59,22 @@ print(json.dumps({"origin": spec and spec.origin,
 
 
 def site_packages_without_kernels(tmp_path: Path) -> Path:
-    """This Python's site-packages as a folder of links to its entries, less
-    Hugging Face's kernels (its package and its dist-info): a Python that
-    adds it (-S, site.addsitedir) has no kernels installed, as the GPU
+    """This Python's site-packages and PYTHONPATH's folders as one folder of
+    links to their entries (the first of a name), less Hugging Face's kernels
+    (its package and its dist-info): a Python that adds it (-S,
+    site.addsitedir) and no PYTHONPATH has no kernels installed, as the GPU
     machine's image has none."""
-    site = Path(sysconfig.get_paths()["purelib"])
+    folders = [*filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep)),
+               sysconfig.get_paths()["purelib"]]
     links = tmp_path / "site-packages"
     links.mkdir()
-    for entry in site.iterdir():
-        if entry.name == "kernels" or (entry.name.startswith("kernels-")
-                                       and entry.name.endswith(".dist-info")):
-            continue
-        (links / entry.name).symlink_to(entry)
+    for folder in map(Path, folders):
+        for entry in folder.iterdir() if folder.is_dir() else ():
+            if entry.name == "kernels" or (entry.name.startswith("kernels-")
+                                           and entry.name.endswith(".dist-info")):
+                continue
+            if not (links / entry.name).exists():
+                (links / entry.name).symlink_to(entry)
     return links
 
 
@@ -83,6 +87,7 @@ def models_in_the_root(tmp_path: Path, kernels: str) -> dict:
     if kernels != "installed":
         code = (f"import site\nsite.addsitedir({str(site_packages_without_kernels(tmp_path))!r})\n"
                 + code)
+        env["PYTHONPATH"] = ""
     if kernels == "a package of the user's":
         (tmp_path / "theirs" / "kernels").mkdir(parents=True)
         (tmp_path / "theirs" / "kernels" / "__init__.py").write_text("")

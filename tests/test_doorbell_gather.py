@@ -169,7 +169,9 @@ def test_replays_after_a_pause(table, monkeypatch, pause_s):
     assert answers["by_node"] >= 1 and answers["thread_wakes"] == 0, answers
 
 
-def test_replays_back_to_back_are_answered_by_the_thread(table, monkeypatch):
+def test_replays_back_to_back_are_each_answered_once(table, monkeypatch):
+    """Which of the thread and the node answers a ring depends on timing (the
+    benchmark reports the split): each ring is answered once, with the rows."""
     monkeypatch.delenv("PLE_GRAPH_GATHER", raising=False)
     static_ids = random_ids((16,), 0).cuda()
     graph, out = capture_gather(table, static_ids)
@@ -180,7 +182,6 @@ def test_replays_back_to_back_are_answered_by_the_thread(table, monkeypatch):
         torch.cuda.synchronize()
     answers = answers_since(before)
     assert answers["by_node"] + answers["by_thread"] == 50, answers
-    assert answers["by_thread"] >= 40, answers
     assert_same(out, torch.ops.ple.disk_gather(static_ids.cpu(), table.handle, torch.bfloat16))
 
 

@@ -437,7 +437,8 @@ def chunked_forwards(model, planned: torch.Tensor, device="cpu") -> tuple[list, 
     table.reset_stats()
     model.embedding.lookahead(planned, CHUNK, max_bytes=2 * CHUNK * table.row_bytes)
     with torch.no_grad():
-        got = [model(chunk.to(device)) for chunk in planned.split(CHUNK, dim=-1)]
+        # A clone each: a CUDA graph's replay writes its outputs over the last one's.
+        got = [model(chunk.to(device)).clone() for chunk in planned.split(CHUNK, dim=-1)]
     if device != "cpu":
         torch.cuda.synchronize()
     assert not model.embedding.looking_ahead and table.prefetched_bytes() == 0
