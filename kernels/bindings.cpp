@@ -3,6 +3,7 @@
 // fields and ranges, the policies, the counters).  Operators are registered
 // in Python (ops/), on top of these.
 #include <cxxabi.h>
+#include <dlfcn.h>
 #include <pthread.h>
 #include <torch/extension.h>
 #include <unistd.h>
@@ -69,19 +70,45 @@ auto unless_ended_by_python(Take take) -> decltype(take()) {
 }
 
 // The same end in torch's own frames (a torch operator that ple's Python
-// code calls, torch's dispatch around ple's operators) reaches
-// std::terminate; this handler makes such a thread (no active exception,
-// not the main thread, Python finalizing) wait for the process's end too,
-// and passes every other std::terminate to the handler that was there before.
+// code calls, torch's dispatch around ple's operators, any torch call of a
+// daemon thread) reaches std::terminate; this handler makes such a thread
+// (no active exception, not the main thread, Python finalizing) wait for
+// the process's end too, and passes every other std::terminate to the
+// handler that was there before.
 std::terminate_handler terminate_before_ple = nullptr;
+std::terminate_handler terminate_before_ple_in_process = nullptr;
 
 [[noreturn]] void park_threads_ended_by_finalization() {
   if (std::current_exception() == nullptr && python_finalizing() &&
       PyThread_get_thread_ident() != main_thread.load()) {
     wait_for_process_end();
   }
+  if (terminate_before_ple_in_process != nullptr) terminate_before_ple_in_process();
   if (terminate_before_ple != nullptr) terminate_before_ple();
   std::abort();
+}
+
+// The handler goes into ple's own libstdc++ and into the process's (the one
+// torch's frames unwind with), which are two where the compiler that built
+// ple links libstdc++ statically: seen on the GPU machine, where torch's
+// frames then reached the process's default handler and aborted.  Called at
+// import and again as Python begins to exit, after any library that set a
+// handler of its own since.
+void install_terminate_handler() {
+  if (std::get_terminate() != &park_threads_ended_by_finalization) {
+    terminate_before_ple = std::set_terminate(&park_threads_ended_by_finalization);
+  }
+  void* process_libstdcxx = ::dlopen("libstdc++.so.6", RTLD_NOW | RTLD_NOLOAD);
+  if (process_libstdcxx == nullptr) return;
+  using Set = std::terminate_handler (*)(std::terminate_handler);
+  using Get = std::terminate_handler (*)();
+  auto set = reinterpret_cast<Set>(::dlsym(process_libstdcxx, "_ZSt13set_terminatePFvvE"));
+  auto get = reinterpret_cast<Get>(::dlsym(process_libstdcxx, "_ZSt13get_terminatev"));
+  if (set != nullptr && get != nullptr && get() != &park_threads_ended_by_finalization) {
+    std::terminate_handler before = set(&park_threads_ended_by_finalization);
+    if (before != terminate_before_ple) terminate_before_ple_in_process = before;
+  }
+  ::dlclose(process_libstdcxx);
 }
 
 // A test hook: while set, a call that lets go of the GIL on a thread other
@@ -358,9 +385,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("IO_MODES") = choice_names(ple::kIoModes);
   m.attr("COUNTERS") = py::cast(ple::counter_meanings());  // [(name, meaning)], stats()'s order
   main_thread.store(py::module_::import("threading").attr("main_thread")().attr("ident").cast<unsigned long>());
-  if (std::get_terminate() != &park_threads_ended_by_finalization) {
-    terminate_before_ple = std::set_terminate(&park_threads_ended_by_finalization);
-  }
+  install_terminate_handler();
+  m.def("install_terminate_handler", &install_terminate_handler,
+        "Puts ple's terminate handler back where another has replaced it (Python's exit does)");
   m.def(
       "set_poll_interval",
       [](double seconds) {

@@ -4,6 +4,7 @@ import that needs them (later imports load what it built)."""
 
 from __future__ import annotations
 
+import atexit
 import importlib
 import importlib.util
 import logging
@@ -86,3 +87,6 @@ def _compile_now():
 if unsupported(torch.__version__):
     log.warning("%s; ple may not build or run here", unsupported(torch.__version__))
 native = _prebuilt() or _compile_now()
+# Python's exit runs this before it ends daemon threads: ple's terminate
+# handler goes back where a library loaded since has replaced it.
+atexit.register(native.install_terminate_handler)
