@@ -121,12 +121,13 @@ def write_text_checkpoint(directory: Path, **text_config) -> Path:
     return save_sharded(model, TABLE, directory)
 
 
-def write_multimodal_checkpoint(directory: Path) -> Path:
+def write_multimodal_checkpoint(directory: Path, **text_config) -> Path:
     """A tiny random multimodal Gemma 4 in the published layout, sharded
     with its table alone in a file, and a tokenizer for vLLM's multimodal
-    processor: a word-level tokenizer of the ids with SPECIAL_TOKENS."""
+    processor: a word-level tokenizer of the ids with SPECIAL_TOKENS.
+    ``text_config``: fields of TEXT_CONFIG changed."""
     torch.manual_seed(0)
-    model = Gemma4ForConditionalGeneration(multimodal_config()).eval()
+    model = Gemma4ForConditionalGeneration(multimodal_config(**text_config)).eval()
     save_sharded(model, MULTIMODAL_TABLE, directory)
     vocabulary = {f"t{i}": i for i in range(TEXT_CONFIG["vocab_size"])}
     vocabulary.update(dict(SPECIAL_TOKENS.values()))
