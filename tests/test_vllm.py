@@ -87,9 +87,10 @@ LOGPROBS = 3
 # arm sets PLE_OFFLOAD before its engine is built (the plugin reads it then;
 # with the engine in its own process, vLLM loads the plugin there afresh),
 # and reports its tokens, its logprobs as float.hex (bits), its tables'
-# counters and the table's resident pages after load.
+# counters and the table's resident pages after load; an arm with "refused"
+# expects its engine to raise and reports the message.
 SESSION = r"""
-import gc, json, os, sys
+import gc, importlib, json, os, sys
 
 def drop_pages(path):
     fd = os.open(path, os.O_RDONLY)
@@ -108,10 +109,9 @@ def main():
     spec = json.loads(sys.argv[1])
     sys.path.insert(0, spec["tests"])
     from helpers import resident_pages
-    if spec["without_vision_tower"]:
-        from test_vllm import without_vision_tower
-        from vllm.model_executor.models import gemma3n_mm
-        without_vision_tower(gemma3n_mm).start()
+    if spec["prepare"]:  # "module:function" of the tests, run before any engine
+        module, function = spec["prepare"].split(":")
+        getattr(importlib.import_module(module), function)()
     from vllm import LLM, SamplingParams
     from torch._dynamo.utils import counters
     import ple
@@ -134,8 +134,15 @@ def main():
         options = {"skip_tokenizer_init": True, "dtype": "float32", "seed": 0,
                    "max_model_len": 128, "max_num_seqs": 4, "gpu_memory_utilization": 0.1,
                    "enforce_eager": arm["eager"], **arm.get("llm", {})}
-        llm = LLM(model=model, **options)
-        resident = resident_pages(os.path.join(model, spec["table_file"]))
+        try:
+            llm = LLM(model=model, **options)
+        except Exception as error:
+            if not arm.get("refused"):
+                raise
+            print("RESULT " + json.dumps({"name": arm["name"], "refused": str(error)}), flush=True)
+            continue
+        table_file = os.path.join(model, spec["table_file"])
+        resident = resident_pages(table_file) if os.path.exists(table_file) else None
         outputs = llm.generate([{"prompt_token_ids": p} for p in spec["prompts"]],
                                SamplingParams(max_tokens=spec["max_tokens"], temperature=0,
                                               logprobs=spec["logprobs"], detokenize=False))
@@ -173,12 +180,21 @@ def without_vision_tower(module):
     return mock.patch.object(module, "AutoModel", AutoModelWithoutVision)
 
 
+def build_gemma3n_without_vision_tower() -> None:
+    """A session's preparation (run_session's ``prepare``): vLLM's
+    multimodal Gemma 3n builds its vision tower empty (without_vision_tower)."""
+    from vllm.model_executor.models import gemma3n_mm
+
+    without_vision_tower(gemma3n_mm).start()
+
+
 def write_checkpoint(directory: Path, seed: int = 0, **config) -> Path:
     """A tiny random Gemma 3n (see save_sharded); ``config``: fields of
     GEMMA_CONFIG changed."""
     torch.manual_seed(seed)
     model = Gemma3nForCausalLM(Gemma3nTextConfig(**{**GEMMA_CONFIG, **config})).eval()
-    return save_sharded(model, model.model, TABLE, directory)
+    with_per_layer_inputs(model.model)
+    return save_sharded(model, TABLE, directory)
 
 
 def write_multimodal_checkpoint(directory: Path, **text_config) -> Path:
@@ -191,7 +207,8 @@ def write_multimodal_checkpoint(directory: Path, **text_config) -> Path:
     config = {**MULTIMODAL_CONFIG, "text_config": {**GEMMA_CONFIG, **text_config}}
     with without_vision_tower(modeling_gemma3n):
         model = Gemma3nForConditionalGeneration(Gemma3nConfig(**config)).eval()
-    save_sharded(model, model.model.language_model, MULTIMODAL_TABLE, directory)
+    with_per_layer_inputs(model.model.language_model)
+    save_sharded(model, MULTIMODAL_TABLE, directory)
     tokens = [*PROCESSOR_TOKENS.values(), *NEWLINES]
     first = GEMMA_CONFIG["vocab_size"] - len(tokens)
     vocabulary = {**{f"t{i}": i for i in range(first)},
@@ -208,16 +225,21 @@ def write_multimodal_checkpoint(directory: Path, **text_config) -> Path:
     return directory
 
 
-def save_sharded(model, text_model, table_name: str, directory: Path) -> Path:
+def with_per_layer_inputs(text_model):
+    """``text_model`` (Gemma 3n's) with its altup scales drawn at random:
+    initialized to zero, they multiply the per-layer inputs' whole
+    contribution, and the logits would not depend on the table."""
+    for layer in text_model.layers:
+        torch.nn.init.normal_(layer.altup.correct_output_scale)
+    return text_model
+
+
+def save_sharded(model, table_name: str, directory: Path) -> Path:
     """``model`` saved by transformers, re-saved as two files and an index,
     as the published checkpoints are sharded: the table ``table_name`` alone
     in TABLE_FILE (a small file shared with other tensors is read whole by
     the kernel's readahead around their pages), flushed to the disk (so that
     their pages can be dropped)."""
-    # Initialized to zero, this scale multiplies the per-layer inputs' whole
-    # contribution: the logits would not depend on the table.
-    for layer in text_model.layers:
-        torch.nn.init.normal_(layer.altup.correct_output_scale)
     model.save_pretrained(directory)
     single = directory / "model.safetensors"
     with safe_open(single, "pt") as f:
@@ -237,14 +259,17 @@ def save_sharded(model, text_model, table_name: str, directory: Path) -> Path:
 
 def run_session(model: Path, arms: list[dict], *, engine_in_process: bool,
                 env: dict | None = None, cwd: Path | None = None,
-                without_vision_tower: bool = False) -> tuple[dict, str]:
+                prepare: str | None = None, timeout_s: float = TIMEOUT_S) -> tuple[dict, str]:
     """Runs the arms in one new interpreter; ({arm name: result}, its log).
-    ``without_vision_tower``: vLLM builds Gemma 3n's vision tower empty (see
-    the function of that name; the engine must be in-process)."""
+    ``prepare``: ``"module:function"`` of the tests that the interpreter
+    calls before it builds any engine, to patch vLLM (the engines must be
+    in-process), e.g. ``"test_vllm:build_gemma3n_without_vision_tower"``.
+    The interpreter imports modules from the model's parent directory first
+    (the session's module is written there)."""
     spec = {"model": str(model), "arms": arms, "prompts": PROMPTS, "max_tokens": MAX_TOKENS,
             "logprobs": LOGPROBS, "files": [OTHERS_FILE, TABLE_FILE], "table_file": TABLE_FILE,
             "tests": str(REPO / "tests"), "engine_in_process": engine_in_process,
-            "without_vision_tower": without_vision_tower}
+            "prepare": prepare}
     environment = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0" if engine_in_process else "1",
                    # apply_model sends a function to the engine's process
                    "VLLM_ALLOW_INSECURE_SERIALIZATION": "1", **(env or {})}
@@ -257,7 +282,7 @@ def run_session(model: Path, arms: list[dict], *, engine_in_process: bool,
                                                               environment.get("PYTHONPATH")]))
     done = subprocess.run([sys.executable, "-c", "import vllm_session; vllm_session.main()",
                            json.dumps(spec)], capture_output=True,
-                          text=True, timeout=TIMEOUT_S, env=environment, cwd=cwd or model)
+                          text=True, timeout=timeout_s, env=environment, cwd=cwd or model)
     return session_results(done, arms)
 
 
@@ -469,7 +494,7 @@ def multimodal(tmp_path_factory) -> tuple[Path, dict, str]:
             arm("compiled-in-memory", "none", eager=False, llm=MULTIMODAL_LLM),
             arm("compiled-ple", "auto", eager=False, llm=MULTIMODAL_LLM)]
     results, log = run_session(model, arms, engine_in_process=True, env=compile_caches(directory),
-                               without_vision_tower=True)
+                               prepare="test_vllm:build_gemma3n_without_vision_tower")
     return model, results, log
 
 

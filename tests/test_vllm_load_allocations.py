@@ -7,7 +7,9 @@ own is as large as the table.  Gemma 3n through ``vllm.LLM`` (its loader's
 text-only class, its table alone in a file or sharing the file with every
 other tensor (the loader then hands the table over as a mapping of the file,
 which is no allocation: its pages are never read, see test_vllm.py), and the
-multimodal class, which builds the text-only one; Qwen4Exp's PLE
+multimodal class, which builds the text-only one; Gemma 4's text-only and
+multimodal classes (test_vllm_gemma4.py), given "auto" or the module's
+name; Qwen4Exp's PLE
 layers as vLLM builds them (vLLM's whole Qwen4Exp does not build on this
 CPU, see test_vllm_qwen4_exp.py) and loads their n-gram modules.  The same
 models with the tables in memory (``PLE_OFFLOAD=none``) show that the
@@ -35,6 +37,10 @@ from safetensors import safe_open  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 from test_vllm import (MULTIMODAL_LLM, MULTIMODAL_TABLE, OTHERS_FILE, TABLE, TABLE_FILE,  # noqa: E402
                        TIMEOUT_S, session_results, write_checkpoint, write_multimodal_checkpoint)
+from test_vllm_gemma4 import MULTIMODAL as GEMMA4_MULTIMODAL_LLM  # noqa: E402
+from test_vllm_gemma4 import WITHOUT_TORCHVISION  # noqa: E402
+from test_vllm_gemma4 import write_multimodal_checkpoint as write_gemma4_multimodal  # noqa: E402
+from test_vllm_gemma4 import write_text_checkpoint as write_gemma4_text  # noqa: E402
 from test_vllm_qwen4_exp import build_layers, checkpoint, vllm_config  # noqa: E402, F401
 
 from helpers import REPO  # noqa: E402
@@ -62,12 +68,13 @@ def main():
     spec = json.loads(sys.argv[1])
     sys.path.insert(0, spec["tests"])
     from allocations import cuda_allocations, recording
-    from test_vllm import without_vision_tower
+    from test_vllm import build_gemma3n_without_vision_tower
+    from test_vllm_gemma4 import build_processor_for_text_prompts
     from vllm import LLM
     from vllm.model_executor.model_loader import base_loader
-    from vllm.model_executor.models import gemma3n_mm
 
-    without_vision_tower(gemma3n_mm).start()
+    build_gemma3n_without_vision_tower()
+    build_processor_for_text_prompts()
     load_model = base_loader.BaseModelLoader.load_model
 
     def recorded(loader, vllm_config, model_config, prefix=""):
@@ -94,8 +101,9 @@ def main():
 
 main()
 """
-# vLLM's options of each kind of model (see test_vllm.py).
-LLM_OPTIONS = {"text": {"skip_tokenizer_init": True}, "multimodal": MULTIMODAL_LLM}
+# vLLM's options of each kind of model (see test_vllm.py, test_vllm_gemma4.py).
+LLM_OPTIONS = {"text": {"skip_tokenizer_init": True}, "multimodal": MULTIMODAL_LLM,
+               "gemma4-multimodal": GEMMA4_MULTIMODAL_LLM}
 
 
 def load_recorded(arms: list[dict], device: str = "cpu") -> dict:
@@ -103,7 +111,7 @@ def load_recorded(arms: list[dict], device: str = "cpu") -> dict:
     PLE_OFFLOAD=``arm["offload"]``, recorded: ``{arm name: result}``."""
     spec = {"arms": arms, "tests": str(REPO / "tests"), "device": device,
             "at_least": TABLE_BYTES, "llm": LLM_OPTIONS}
-    environment = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    environment = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", **WITHOUT_TORCHVISION}
     directory = Path(arms[0]["model"]).parent.parent
     session = directory / "vllm_allocations_session.py"
     session.write_text(SESSION)
@@ -202,6 +210,72 @@ def test_gemma_loads_without_a_table_sized_tensor_on_cuda(gemma_models):
     assert max(results["in-memory"]["cuda_blocks"]) >= TABLE_BYTES
     assert any(made["shape"] == [1024, 4 * PER_LAYER_INPUT] and made["device"].startswith("cuda")
                for made in results["in-memory"]["made"])
+
+
+@pytest.fixture(scope="module")
+def gemma4_models(tmp_path_factory) -> dict[str, Path]:
+    """A tiny random Gemma 4 (test_vllm_gemma4.py) with a 1 MiB per-layer
+    table alone in a file: a text checkpoint and the published multimodal
+    layout."""
+    directory = tmp_path_factory.mktemp("gemma4-allocations")
+    return {"text": write_gemma4_text(directory / "text" / "model",
+                                      hidden_size_per_layer_input=PER_LAYER_INPUT),
+            "multimodal": write_gemma4_multimodal(directory / "multimodal" / "model",
+                                                  hidden_size_per_layer_input=PER_LAYER_INPUT)}
+
+
+def gemma4_arms(models: dict[str, Path]) -> list[dict]:
+    """Each class offloaded by "auto" and by the module's name (the
+    multimodal class given the text-only class's name), and each with the
+    table in memory."""
+    text, multimodal = str(models["text"]), str(models["multimodal"])
+    name = "model.embed_tokens_per_layer"
+    return [{"name": "auto", "model": text, "kind": "text", "offload": "auto"},
+            {"name": "names", "model": text, "kind": "text", "offload": name},
+            {"name": "multimodal", "model": multimodal, "kind": "gemma4-multimodal",
+             "offload": "auto"},
+            {"name": "multimodal-names", "model": multimodal, "kind": "gemma4-multimodal",
+             "offload": name},
+            {"name": "in-memory", "model": text, "kind": "text", "offload": "none"},
+            {"name": "multimodal-in-memory", "model": multimodal, "kind": "gemma4-multimodal",
+             "offload": "none"}]
+
+
+@pytest.fixture(scope="module")
+def gemma4(gemma4_models) -> dict:
+    return load_recorded(gemma4_arms(gemma4_models))
+
+
+def assert_gemma4_loads_without_a_table_sized_tensor(results: dict) -> None:
+    for arm in ("auto", "names"):
+        assert_no_table_sized_allocation(results[arm], "model.embed_tokens_per_layer")
+        assert table_sized(results[arm], allocated=False) == []  # its file is not even opened
+    for arm in ("multimodal", "multimodal-names"):
+        assert_no_table_sized_allocation(results[arm],
+                                         "language_model.model.embed_tokens_per_layer",
+                                         MULTIMODAL_TABLE)
+
+
+def test_gemma4_loads_without_a_table_sized_tensor(gemma4):
+    assert_gemma4_loads_without_a_table_sized_tensor(gemma4)
+
+
+@pytest.mark.parametrize("arm", ["in-memory", "multimodal-in-memory"])
+def test_the_recording_sees_vllms_gemma4_table_in_memory(gemma4, arm):
+    assert gemma4[arm]["served"] == {}
+    assert {"op": "aten.empty.memory_format", "shape": [1024, 4 * PER_LAYER_INPUT],
+            "dtype": "torch.float32", "device": "cpu", "nbytes": TABLE_BYTES,
+            "mapped_file": None} in gemma4[arm]["made"]
+
+
+@needs_a_gpu
+def test_gemma4_loads_without_a_table_sized_tensor_on_cuda(gemma4_models):
+    results = load_recorded(gemma4_arms(gemma4_models), device="cuda")
+    assert_gemma4_loads_without_a_table_sized_tensor(results)
+    for arm in ("in-memory", "multimodal-in-memory"):
+        assert max(results[arm]["cuda_blocks"]) >= TABLE_BYTES
+        assert any(made["shape"] == [1024, 4 * PER_LAYER_INPUT]
+                   and made["device"].startswith("cuda") for made in results[arm]["made"])
 
 
 def ngram_table_bytes(directory: Path, written: dict) -> int:

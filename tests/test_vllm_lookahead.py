@@ -58,11 +58,13 @@ def main():
                             detokenize=False)
     for arm in spec["arms"]:
         os.environ.update(arm["env"])
+        options = {"skip_tokenizer_init": True, "dtype": "float32", "seed": 0,
+                   "max_model_len": 128, "max_num_seqs": 4, "gpu_memory_utilization": 0.1,
+                   "enforce_eager": True, "enable_chunked_prefill": True,
+                   "max_num_batched_tokens": spec["chunk"], "enable_prefix_caching": False,
+                   **spec["llm"]}
         try:
-            llm = LLM(model=spec["model"], skip_tokenizer_init=True, dtype="float32", seed=0,
-                      max_model_len=128, max_num_seqs=4, gpu_memory_utilization=0.1,
-                      enforce_eager=True, enable_chunked_prefill=True,
-                      max_num_batched_tokens=spec["chunk"], enable_prefix_caching=False)
+            llm = LLM(model=spec["model"], **options)
         except Exception as error:
             print("RESULT " + json.dumps({"name": arm["name"], "refused": str(error)}), flush=True)
             continue
@@ -82,9 +84,11 @@ main()
 """
 
 
-def run_arms(model, arms: list[dict], directory) -> dict:
+def run_arms(model, arms: list[dict], directory, **llm) -> dict:
+    """Runs the arms (each an engine in-process, eager unless ``llm``, vLLM's
+    options, say otherwise) in one new interpreter: {arm name: result}."""
     spec = {"model": str(model), "arms": arms, "chunk": CHUNK, "max_tokens": MAX_TOKENS,
-            "batches": {"alone": [LONG], "together": [LONG, OTHER]}}
+            "batches": {"alone": [LONG], "together": [LONG, OTHER]}, "llm": llm}
     environment = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "PLE_OFFLOAD": "auto",
                    "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}
     session = directory / "vllm_lookahead_session.py"

@@ -48,7 +48,9 @@ class Gemma4ForCausalLM(gemma4.Gemma4ForCausalLM):
         full_name = maybe_prefix(prefix, f"model.{PER_LAYER_MODULE}")
         if isinstance(asked.offload, tuple):
             _refuse_unknown(asked.offload, full_name)
-        offloaded = asked.offload == "auto" or full_name in (asked.offload or ())
+        # "auto", or names that (past the refusal) are all this table's, with
+        # or without the multimodal class's "language_model." ("none": ()).
+        offloaded = bool(asked.offload)
         with table_on_meta(gemma4, f".{PER_LAYER_MODULE}") if offloaded else nullcontext():
             super().__init__(vllm_config=vllm_config, prefix=prefix)
         self._served: dict[str, tuple[DiskEmbedding, str]] = {}
