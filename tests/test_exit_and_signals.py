@@ -312,3 +312,43 @@ def test_a_sigterm_handler_that_joins_gathering_threads_finishes(table_path, loa
     result = run(script, [str(table_path), str(threads), str(gather_threads)])
     assert result.returncode == 7, (result.returncode, result.stdout, result.stderr[-3000:])
     assert "joined inside gather" in result.stdout, (result.stdout, result.stderr[-3000:])
+
+
+# Daemon threads inside torch's own operators (torch lets go of the GIL around
+# them) when Python exits: CPython ends each as it comes back for the GIL, in
+# torch's frames, which reach std::terminate of the process's libstdc++.  ple's
+# handler there parks such a thread; it is put back at exit where a library
+# replaced it since ple's import (here: ctypes, as another library would), and
+# it is set in the process's libstdc++ even where ple's own is another copy
+# (seen on the GPU machine: the default handler aborted).
+EXIT_WHILE_IN_TORCH = """
+import ctypes
+if sys.argv[2] == "replaced after import":
+    libstdcxx = ctypes.CDLL("libstdc++.so.6")
+    libstdcxx._ZSt13set_terminatePFvvE.restype = ctypes.c_void_p
+    libstdcxx._ZSt13set_terminatePFvvE(ctypes.cast(
+        libstdcxx._ZN9__gnu_cxx27__verbose_terminate_handlerEv, ctypes.c_void_p))
+a = torch.randn(1500, 1500)
+inside = threading.Semaphore(0)
+
+def multiply():
+    inside.release()
+    while True:
+        torch.mm(a, a)
+
+for _ in range(2):
+    threading.Thread(target=multiply, daemon=True).start()
+for _ in range(2):
+    assert inside.acquire(timeout=30)
+time.sleep(0.1)
+sys.exit(3)
+"""
+
+
+@pytest.mark.parametrize("handler", ["ple's", "replaced after import"])
+def test_sys_exit_while_daemon_threads_run_torch_operators(table_path, handler):
+    script = PRELUDE + textwrap.dedent(EXIT_WHILE_IN_TORCH)
+    for _ in range(3):
+        result = run(script, [str(table_path), handler], timeout=60)
+        assert (result.returncode, result.stdout, result.stderr) == (3, "", ""), (
+            result.returncode, result.stdout[-3000:], result.stderr[-3000:])
