@@ -28,7 +28,6 @@ is vLLM's model but for two things:
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from contextlib import nullcontext
 
 import torch
@@ -38,15 +37,12 @@ from vllm.model_executor.layers.logits_processor import LogitsProcessor
 from vllm.model_executor.models import gemma3n
 from vllm.model_executor.models.utils import maybe_prefix
 
-from ple.layers.disk_embedding import DiskEmbedding
-
+from .per_layer import ServesPerLayerTable
 from .settings import Settings, settings
-from .tables import (checkpoint_paths, keep_loading_lazy, key_compile_cache, logger,
-                     open_embedding, report, table_on_meta)
+from .tables import logger, table_on_meta
 
-# The module "auto" serves, under the text model, and its checkpoint tensor.
+# The module "auto" serves, under the text model.
 PER_LAYER_MODULE = "self_decoder.embed_tokens_per_layer"
-PER_LAYER_TENSOR = "model.embed_tokens_per_layer.weight"
 # The end of the prefix vLLM's self-decoder builds that module with.
 PER_LAYER_PREFIX = ".per_layer_embed_tokens"
 
@@ -66,7 +62,7 @@ class Gemma3nTextModel(gemma3n.Gemma3nTextModel):
                                inputs_embeds, **kwargs)
 
 
-class Gemma3nForCausalLM(gemma3n.Gemma3nForCausalLM):
+class Gemma3nForCausalLM(ServesPerLayerTable, gemma3n.Gemma3nForCausalLM):
     """vLLM's ``Gemma3nForCausalLM`` over :class:`Gemma3nTextModel`, its
     ``embed_tokens_per_layer`` served by ple as ``PLE_OFFLOAD`` asks.
     ``ple_tables``: ``{module name: table}``."""
@@ -88,55 +84,19 @@ class Gemma3nForCausalLM(gemma3n.Gemma3nForCausalLM):
                                           prefix=maybe_prefix(prefix, "model"))
         self.logits_processor = LogitsProcessor(config.vocab_size,
                                                 soft_cap=config.final_logit_softcapping)
-        self._served = self._offload(vllm_config, prefix, asked) if offloaded else {}
+        if offloaded:
+            self._offload(vllm_config, prefix, asked)
         if vllm_config.model_config.architecture == "Gemma3nForCausalLM":
             logger.info("ple: vLLM's text-only Gemma3nForCausalLM computes no per-layer inputs "
                         "(its table changes nothing); ple's computes them from "
                         "embed_tokens_per_layer as transformers does")
 
-    @property
-    def ple_tables(self):
-        return {name: module.table for name, (module, _) in self._served.items()}
-
-    def _offload(self, vllm_config: VllmConfig, prefix: str, asked: Settings
-                 ) -> dict[str, tuple[DiskEmbedding, str]]:
-        """Puts ple's module in place of vLLM's table, built on the meta
-        device."""
-        full_name = maybe_prefix(prefix, f"model.{PER_LAYER_MODULE}")
-        keep_loading_lazy(vllm_config.load_config)
+    def _offload(self, vllm_config: VllmConfig, prefix: str, asked: Settings) -> None:
+        """Puts ple's module in place of vLLM's table, built on the meta device."""
         original = self.model.self_decoder.embed_tokens_per_layer
-        if not original.weight.is_meta:
-            raise RuntimeError(f"ple: this vLLM builds Gemma 3n's {PER_LAYER_MODULE} otherwise "
-                               f"than vLLM 0.32 (with a prefix ending {PER_LAYER_PREFIX!r}), and "
-                               "allocated the table ple serves: ple's Gemma 3n needs revising "
-                               "for it")
-        shape = (self.config.vocab_size_per_layer_input,
-                 self.config.num_hidden_layers * self.config.hidden_size_per_layer_input)
-        module = open_embedding(full_name, checkpoint_paths(vllm_config), PER_LAYER_TENSOR, shape,
-                                vllm_config, asked)
-        in_memory = original.weight.numel() * original.weight.element_size()
-        self.model.self_decoder.embed_tokens_per_layer = module
-        served = {full_name: (module, module.table.name)}
-        key_compile_cache(vllm_config, {name: m.table for name, (m, _) in served.items()})
-        report(served, {full_name: in_memory})
-        return served
-
-    def is_unused_checkpoint_weight(self, name: str) -> bool:
-        """vLLM's loaders skip the files that hold only such tensors (the
-        whole-file loaders too)."""
-        return bool(self._served) and _is_per_layer_table(name)
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        if self._served:
-            weights = ((name, tensor) for name, tensor in weights
-                       if not _is_per_layer_table(name))
-        return super().load_weights(weights)
-
-
-def _is_per_layer_table(name: str) -> bool:
-    """Whether checkpoint tensor ``name`` (as vLLM's loader hands it to the
-    text model: ``model.embed_tokens_per_layer.weight``) is the table."""
-    return name.endswith("embed_tokens_per_layer.weight")
+        self.model.self_decoder.embed_tokens_per_layer = self.serve_per_layer_table(
+            original, maybe_prefix(prefix, f"model.{PER_LAYER_MODULE}"), vllm_config, asked,
+            "Gemma 3n")
 
 
 def _text_model_names(names) -> list[str]:

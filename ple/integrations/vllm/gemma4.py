@@ -20,26 +20,21 @@ and a log line says so.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from contextlib import nullcontext
 
-import torch
 from vllm.config import VllmConfig
 from vllm.model_executor.models import gemma4
 from vllm.model_executor.models.utils import maybe_prefix
 
-from ple.layers.disk_embedding import DiskEmbedding
-
+from .per_layer import ServesPerLayerTable
 from .settings import Settings, settings
-from .tables import (checkpoint_paths, keep_loading_lazy, key_compile_cache, logger,
-                     open_embedding, report, table_on_meta)
+from .tables import logger, table_on_meta
 
-# The module "auto" serves, under the text model, and its checkpoint tensor.
+# The module "auto" serves, under the text model.
 PER_LAYER_MODULE = "embed_tokens_per_layer"
-PER_LAYER_TENSOR = "model.embed_tokens_per_layer.weight"
 
 
-class Gemma4ForCausalLM(gemma4.Gemma4ForCausalLM):
+class Gemma4ForCausalLM(ServesPerLayerTable, gemma4.Gemma4ForCausalLM):
     """vLLM's ``Gemma4ForCausalLM``, its ``embed_tokens_per_layer`` served by
     ple as ``PLE_OFFLOAD`` asks.  ``ple_tables``: ``{module name: table}``."""
 
@@ -53,54 +48,19 @@ class Gemma4ForCausalLM(gemma4.Gemma4ForCausalLM):
         offloaded = bool(asked.offload)
         with table_on_meta(gemma4, f".{PER_LAYER_MODULE}") if offloaded else nullcontext():
             super().__init__(vllm_config=vllm_config, prefix=prefix)
-        self._served: dict[str, tuple[DiskEmbedding, str]] = {}
         if offloaded and self.model.embed_tokens_per_layer is None:
             logger.info("ple: this Gemma 4 has no per-layer inputs (hidden_size_per_layer_input "
                         "is 0): no table to serve")
         elif offloaded:
-            self._served = self._offload(vllm_config, full_name, asked)
+            self._offload(vllm_config, full_name, asked)
 
-    @property
-    def ple_tables(self):
-        return {name: module.table for name, (module, _) in self._served.items()}
-
-    def _offload(self, vllm_config: VllmConfig, full_name: str, asked: Settings
-                 ) -> dict[str, tuple[DiskEmbedding, str]]:
+    def _offload(self, vllm_config: VllmConfig, full_name: str, asked: Settings) -> None:
         """Puts ple's module in place of vLLM's table (built on the meta device),
         in the text model and in its self-decoder."""
-        keep_loading_lazy(vllm_config.load_config)
-        original = self.model.embed_tokens_per_layer
-        if not original.weight.is_meta:
-            raise RuntimeError(f"ple: this vLLM builds Gemma 4's {PER_LAYER_MODULE} otherwise "
-                               "than vLLM 0.32, and allocated the table ple serves: ple's "
-                               "Gemma 4 needs revising for it")
-        config = self.config
-        shape = (config.vocab_size_per_layer_input,
-                 config.num_hidden_layers * config.hidden_size_per_layer_input)
-        module = open_embedding(full_name, checkpoint_paths(vllm_config), PER_LAYER_TENSOR, shape,
-                                vllm_config, asked)
+        module = self.serve_per_layer_table(self.model.embed_tokens_per_layer, full_name,
+                                            vllm_config, asked, "Gemma 4")
         self.model.embed_tokens_per_layer = module
         self.model.self_decoder.embed_tokens_per_layer = module
-        served = {full_name: (module, module.table.name)}
-        key_compile_cache(vllm_config, {name: m.table for name, (m, _) in served.items()})
-        report(served, {full_name: original.weight.numel() * original.weight.element_size()})
-        return served
-
-    def is_unused_checkpoint_weight(self, name: str) -> bool:
-        """vLLM's loaders skip the files that hold only such tensors (the
-        whole-file loaders too)."""
-        return bool(self._served) and _is_per_layer_table(name)
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        if self._served:
-            weights = ((name, tensor) for name, tensor in weights
-                       if not _is_per_layer_table(name))
-        return super().load_weights(weights)
-
-
-def _is_per_layer_table(name: str) -> bool:
-    """Whether checkpoint tensor ``name`` (in either layout) is the table."""
-    return name.endswith("embed_tokens_per_layer.weight")
 
 
 def _refuse_unknown(names: tuple[str, ...], full_name: str) -> None:
