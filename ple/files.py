@@ -14,7 +14,22 @@ from __future__ import annotations
 
 import os
 import stat
+import sys
 from pathlib import Path
+
+# Run from a folder that holds another folder named "ple" (one that is no
+# checkout of ple: a checkout's top folder says so itself), Python imports it
+# as a namespace package in place of the installed ple: ple/__init__.py never
+# runs, so torch.ops.ple is never registered, and the modules that import this
+# one are still found.  Here is the first place of ple's own code that such an
+# import reaches.
+_package = sys.modules.get(__package__)
+if _package is not None and getattr(_package, "__file__", None) is None:
+    raise ImportError(
+        f"'{__package__}' was imported as a namespace package from "
+        f"{', '.join(_package.__path__)}: a folder named '{__package__}' there (a clone of the ple "
+        "repository?) hides the installed ple, whose operators are then never registered; run "
+        "Python from another folder")
 
 KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
          (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
