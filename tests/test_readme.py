@@ -24,6 +24,11 @@ README = REPO / "README.md"
 BLOCK = re.compile(r"^```(?P<language>python|bash)\n(?P<code>.*?)^```$", re.S | re.M)
 NEEDS_A_GPU = "# needs a GPU"
 RUNNERS = {"python": [sys.executable, "-c"], "bash": ["bash", "-euo", "pipefail", "-c"]}
+# The optional extras a page's python blocks may import: such a page runs
+# where its extra is installed (make's venv has them; the torch-range venvs
+# install the test extra alone).
+EXTRAS = ("transformers", "vllm")
+IMPORTS = re.compile(r"^\s*(?:from|import) (\w+)", re.M)
 
 
 def runnable_blocks(page: Path) -> list[tuple[str, str]]:
@@ -64,6 +69,9 @@ DOCS = sorted(page for page in (REPO / "docs").glob("*.md") if BLOCK.search(page
 
 @pytest.mark.parametrize("page", DOCS, ids=[page.name for page in DOCS])
 def test_every_block_of_a_doc_runs_as_written(page, tmp_path):
+    imported = {module for _, code in runnable_blocks(page) for module in IMPORTS.findall(code)}
+    for module in sorted(imported & set(EXTRAS)):
+        pytest.importorskip(module)
     run_blocks(page, tmp_path)
 
 
