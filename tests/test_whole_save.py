@@ -10,6 +10,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -160,40 +161,21 @@ def test_saving_over_a_served_file_replaces_it_and_the_rows_stay(checkpoint, wri
 
 
 PATCHES = textwrap.dedent("""
-    import sys, types, torch, safetensors.torch, transformers
+    import sys, torch, safetensors.torch, transformers
     from transformers import Gemma3nForCausalLM, Gemma3nTextConfig
-
-    def snapshot():
-        # {(owner, name): value} of every module's names and of its classes' own
-        # members; a class's member added later counts (a module's does not:
-        # imports add names).
-        seen = {}
-        for name, module in list(sys.modules.items()):
-            if not isinstance(module, types.ModuleType) or name.split(".")[0] == "ple":
-                continue
-            for attr, value in list(vars(module).items()):
-                seen[(name, attr)] = value
-                if isinstance(value, type) and value.__module__ == name:
-                    for key, member in list(vars(value).items()):
-                        seen[(f"{name}.{value.__qualname__}", key)] = member
-        return seen
+    from patched_names import changed_since, snapshot
 
     config = Gemma3nTextConfig(**eval(sys.argv[2]))
     torch.manual_seed(0)
     Gemma3nForCausalLM(config).save_pretrained(sys.argv[1])
     before = snapshot()
-    classes = {owner for owner, _ in before if owner not in sys.modules}
     from ple.integrations.transformers import from_pretrained
     model = from_pretrained(Gemma3nForCausalLM, sys.argv[1])
     model.generate(torch.tensor([[1, 2, 3, 4, 5]]), max_new_tokens=2, prefill_chunk_size=2)
     model.save_pretrained(sys.argv[1] + "-saved")
     torch.save(model.state_dict(), sys.argv[1] + "-state.pt")
-    changed = sorted(f"{owner}.{attr}" for (owner, attr), value in snapshot().items()
-                     if callable(value) and before.get((owner, attr), None) is not value
-                     and ((owner, attr) in before or owner in classes))
-    print("\\n".join(changed))
+    print("\\n".join(changed_since(before)))
 """)
-
 
 
 def test_ple_patches_two_names_of_other_libraries_and_no_other(tmp_path):
@@ -203,7 +185,7 @@ def test_ple_patches_two_names_of_other_libraries_and_no_other(tmp_path):
     from test_transformers_integration import GEMMA_CONFIG
 
     run = subprocess.run([sys.executable, "-c", PATCHES, str(tmp_path / "m"), repr(GEMMA_CONFIG)],
-                         capture_output=True, text=True, timeout=600)
+                         capture_output=True, text=True, timeout=600, cwd=Path(__file__).parent)
     assert run.returncode == 0, run.stderr[-3000:]
     assert run.stdout.split() == [
         "torch.serialization._open_zipfile_writer",

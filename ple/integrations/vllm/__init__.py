@@ -10,7 +10,10 @@ variable asks:
 - ``settings``: the ``PLE_*`` variables and the ``PLE_CONFIG`` file;
 - ``tables``: what every model class does around its tables (files, tables,
   the lazy loader, the compile cache key, the log lines, the build-time swap);
-- ``gemma3n``, ``qwen4_exp``, ``qwen4_exp_models``: ple's model classes;
+- ``per_layer``: what ple's Gemma 3n and Gemma 4 classes share (the
+  per-layer table);
+- ``gemma3n``, ``gemma4``, ``qwen4_exp``, ``qwen4_exp_models``: ple's model
+  classes;
 - ``lookahead``: the rows of a prefill's coming chunks, read ahead.
 """
 
