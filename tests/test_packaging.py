@@ -176,7 +176,11 @@ def test_the_readmes_install_lines_in_a_fresh_venv(tmp_path):
         arguments = [torch_requirement if word == "torch" else word for word in words[2:]]
         done = pip("install", *arguments, timeout=1800)
         assert done.returncode == 0, (words, done.stdout[-3000:] + done.stderr[-3000:])
-    gathered = subprocess.run([python, "-c", GATHER], cwd=tmp_path, capture_output=True,
+    # From a folder of the user's own: from the checkout's parent, import ple
+    # refuses the checkout (tests/test_checkout_imports.py).
+    work = tmp_path / "work"
+    work.mkdir()
+    gathered = subprocess.run([python, "-c", GATHER], cwd=work, capture_output=True,
                               text=True, timeout=600)
     assert gathered.returncode == 0, gathered.stderr[-3000:]
     torch_version, ple_file = gathered.stdout.split()
