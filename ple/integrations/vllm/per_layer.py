@@ -7,7 +7,8 @@ and left out of what vLLM's loaders read."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
+from types import MappingProxyType
 
 import torch
 from torch import nn
@@ -24,7 +25,8 @@ class ServesPerLayerTable:
     """A vLLM model class mixin: ``ple_tables`` (``{module name: table}``),
     the table opened in place of vLLM's, and the checkpoint tensor skipped."""
 
-    _served: dict[str, tuple[DiskEmbedding, str]] = {}
+    # Until serve_per_layer_table sets the instance's own: nothing served.
+    _served: Mapping[str, tuple[DiskEmbedding, str]] = MappingProxyType({})
 
     @property
     def ple_tables(self):
