@@ -48,7 +48,8 @@ BUILD_INPUTS := Makefile setup.py pyproject.toml kernels/build_flags.py \
 # error again, last, where the run ends.
 PYTEST_FLAGS := -q --tb=short -rfE
 
-.PHONY: demo test test-quick setup test-torch-range test-python-range test-vllm
+.PHONY: demo test test-quick setup test-torch-range test-torch-oldest test-torch-newest \
+	test-fresh-install test-python-range test-py312 test-py313 test-vllm
 demo: setup
 	$(PY) tools/demo.py $(ARGS)
 
@@ -80,10 +81,17 @@ $(VENV)/.installed: $(BUILD_INPUTS)
 		"tools on PATH)"
 
 # The extra venvs take no transformers: the tests that need it skip without it.
-test-torch-range:
+# Each is a few GB (pip's torch for them is a CUDA build): .ci/run takes one
+# step at a time and removes each venv after its step.
+test-torch-range: test-torch-oldest test-fresh-install test-torch-newest
+test-torch-oldest:
 	$(MAKE) test VENV=.venv-torch-oldest TORCH_SPEC='$(TORCH_OLDEST)' TORCH_PIN=1 EXTRAS=test ARGS='-m "not slow or torch_range"'
-	PLE_TEST_INSTALL_TORCH='$(TORCH_OLDEST)' .venv-torch-oldest/bin/python -m pytest -q tests/test_packaging.py -k fresh_venv
+test-torch-newest:
 	$(MAKE) test VENV=.venv-torch-newest TORCH_SPEC='$(TORCH_NEWEST)' TORCH_PIN=1 EXTRAS=test ARGS='-m "not slow or torch_range"'
+# The README's install lines in a fresh venv (under pytest's tmp_path, gone
+# once the test passes), with the oldest torch.
+test-fresh-install: setup
+	PLE_TEST_INSTALL_TORCH='$(TORCH_OLDEST)' $(PY) -m pytest $(PYTEST_FLAGS) tests/test_packaging.py -k fresh_venv
 
 # The Pythons beside the venv's own: pyenv keeps them on these machines. pip
 # has torch for them only from PyPI, where TORCH_NEWEST's wheel (a CUDA build,
@@ -97,8 +105,10 @@ PYTHON_RANGE_TESTS ?= tests/test_exit_and_signals.py tests/test_process_safety.p
 	tests/test_friendly_errors.py \
 	tests/test_direct_io.py::test_forked_children_read_with_engines_of_their_own \
 	tests/test_doorbell_gather.py::test_a_forked_child_and_the_process_exit_cleanly
-test-python-range:
+test-python-range: test-py312 test-py313
+test-py312:
 	$(MAKE) test VENV=.venv-py312 PYTHON=$(PYTHON_312) TORCH_SPEC='$(TORCH_NEWEST)' TORCH_PIN=1 EXTRAS=test ARGS='$(PYTHON_RANGE_TESTS)'
+test-py313:
 	$(MAKE) test VENV=.venv-py313 PYTHON=$(PYTHON_313) TORCH_SPEC='$(TORCH_NEWEST)' TORCH_PIN=1 EXTRAS=test ARGS='$(PYTHON_RANGE_TESTS)'
 
 # vLLM's CPU build pins torch 2.13.0 and transformers < 5.20, so it has a venv

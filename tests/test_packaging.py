@@ -7,7 +7,7 @@ default run.  Both build a copy of the checkout, not the checkout itself
 (setuptools writes ple.egg-info and build/ where it builds).
 
 An old setuptools stops the build with a line that names the fix; with
-PLE_TEST_INSTALL_TORCH=<a torch requirement> (make test-torch-range gives the
+PLE_TEST_INSTALL_TORCH=<a torch requirement> (make test-fresh-install gives the
 oldest supported), the README's install lines run in a fresh venv of this
 Python with that torch, and ple gathers there."""
 
@@ -144,7 +144,7 @@ print(torch.__version__, ple.__file__)
 @pytest.mark.slow
 @pytest.mark.skipif(not os.environ.get("PLE_TEST_INSTALL_TORCH"),
                     reason="installs torch into a fresh venv and compiles ple (minutes); make "
-                    "test-torch-range runs it with PLE_TEST_INSTALL_TORCH=<the oldest torch>")
+                    "test-fresh-install runs it with PLE_TEST_INSTALL_TORCH=<the oldest torch>")
 def test_the_readmes_install_lines_in_a_fresh_venv(tmp_path):
     """As a user on a fresh machine: a venv of this Python (3.11's brings
     setuptools 65), the torch alone (as a user who knows only torch is
