@@ -72,7 +72,7 @@ $(VENV)/.installed: $(BUILD_INPUTS)
 	else echo "setup 2/4: torch is in $(VENV) already"; fi
 	@echo "setup 3/4: what builds and tests ple: setuptools, ninja, numpy, safetensors, gguf," \
 		"pytest, triton... (about 30 s)"
-	$(PY) -m pip install -q 'setuptools>=77' wheel ninja numpy safetensors gguf tqdm pytest hypothesis triton build
+	$(PY) -m pip install -q 'setuptools>=77' wheel ninja numpy safetensors gguf tqdm pytest pytest-xdist hypothesis triton build
 	@echo "setup 4/4: ple in editable mode with $(EXTRAS), its C++ extension compiled against" \
 		"this torch (2 to 4 minutes on 2 cores)"
 	$(PY) -m pip install -q --no-build-isolation -e '.[$(EXTRAS)]'
@@ -82,12 +82,15 @@ $(VENV)/.installed: $(BUILD_INPUTS)
 
 # The extra venvs take no transformers: the tests that need it skip without it.
 # Each is a few GB (pip's torch for them is a CUDA build): .ci/run takes one
-# step at a time and removes each venv after its step.
+# step at a time and removes each venv after its step. The range suites run
+# on two workers (pytest-xdist; no test leans on another's state).
+RANGE_SUITE := -n 2 -m "not slow or torch_range"
 test-torch-range: test-torch-oldest test-fresh-install test-torch-newest
 test-torch-oldest:
-	$(MAKE) test VENV=.venv-torch-oldest TORCH_SPEC='$(TORCH_OLDEST)' TORCH_PIN=1 EXTRAS=test ARGS='-m "not slow or torch_range"'
+	$(MAKE) test VENV=.venv-torch-oldest TORCH_SPEC='$(TORCH_OLDEST)' TORCH_PIN=1 EXTRAS=test ARGS='$(RANGE_SUITE)'
+# The newest torch on Python 3.12, in the venv of test-py312: one venv fewer.
 test-torch-newest:
-	$(MAKE) test VENV=.venv-torch-newest TORCH_SPEC='$(TORCH_NEWEST)' TORCH_PIN=1 EXTRAS=test ARGS='-m "not slow or torch_range"'
+	$(MAKE) test VENV=.venv-py312 PYTHON=$(PYTHON_312) TORCH_SPEC='$(TORCH_NEWEST)' TORCH_PIN=1 EXTRAS=test ARGS='$(RANGE_SUITE)'
 # The README's install lines in a fresh venv (under pytest's tmp_path, gone
 # once the test passes), with the oldest torch.
 test-fresh-install: setup
