@@ -9,10 +9,10 @@
 #                     subprocesses of tens of seconds): about 15 minutes
 # and one for the supported torch range (.ci/run runs it after `make test`):
 #   make test-torch-range   the not-slow tests against the oldest supported
-#                           torch and the newest pip installs here, each in
-#                           its own venv (.venv-torch-oldest, .venv-torch-newest),
-#                           and the README's install lines in a fresh venv
-#                           with the oldest
+#                           torch (.venv-torch-oldest) and the newest pip
+#                           installs here (on Python 3.12, .venv-py312), and
+#                           the README's install lines in a fresh venv with
+#                           the oldest
 # and one for the other Pythons users run (.ci/run runs it after that):
 #   make test-python-range  the exit, signal and fork tests on Python 3.12 and
 #                           3.13 (pyenv's), each in its own venv
