@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING
 from ple_tools import written
 from ple_tools.argtypes import (physical_memory, positive_float, positive_int, refuse_empty_table,
                                 seed, size)
+from ple_tools.worker_pool import worker_pool
 
 if TYPE_CHECKING:  # for annotations; imported after parsing
     import numpy as np
@@ -90,13 +91,6 @@ def _write_file(directory: Path, f: int, rows: int, row_bytes: int, shards: int,
     with open(path, "rb") as handle:
         os.fsync(handle.fileno())
     return path, sum(t.numel() for t in tensors.values() if t.dim() == 2)
-
-
-def _share_cpus(writers: int) -> None:
-    """A writer process's torch threads: its share of the CPUs."""
-    import torch
-
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // writers))
 
 
 # A writer process pays for its start (importing torch, about 2 s) from
@@ -224,7 +218,6 @@ def write_table(directory: Path, *, rows: int, row_bytes: int = 160, shards: int
     (tqdm's; None: when stderr is a terminal).  Without the bar, a line per
     file says what was written."""
     import concurrent.futures
-    import multiprocessing
 
     from tqdm.auto import tqdm
 
@@ -249,10 +242,7 @@ def write_table(directory: Path, *, rows: int, row_bytes: int = 160, shards: int
             for f in range(files):
                 wrote(f, _write_file(directory, f, **layout))
         else:
-            # spawn: a forked copy of a process that runs torch's threads may hang
-            with concurrent.futures.ProcessPoolExecutor(
-                    writers, mp_context=multiprocessing.get_context("spawn"),
-                    initializer=_share_cpus, initargs=(writers,)) as pool:
+            with worker_pool(writers) as pool:
                 jobs = {pool.submit(_write_file, directory, f, **layout): f for f in range(files)}
                 for job in concurrent.futures.as_completed(jobs):
                     wrote(jobs[job], job.result())

@@ -22,15 +22,14 @@ ple.source.dtype).  Q4_K, Q5_K and Q6_K are written by ple's own quantizer
 from __future__ import annotations
 
 import argparse
-import multiprocessing
 import os
 import sys
 from collections import deque
-from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ple_tools.argtypes import OutputFile, positive_float, positive_int
+from ple_tools.worker_pool import worker_pool
 
 if TYPE_CHECKING:  # for annotations; imported after parsing
     import numpy as np
@@ -175,8 +174,7 @@ def _quantized_chunks(source, qtype: str, chunk_rows: int, jobs: int):
     if jobs <= 1 or len(tasks) <= 1:
         yield from ((task[0], *quantized_chunk(*task)) for task in tasks)
         return
-    context = multiprocessing.get_context("fork")
-    with ProcessPoolExecutor(min(jobs, len(tasks)), mp_context=context) as pool:
+    with worker_pool(min(jobs, len(tasks))) as pool:
         pending: deque = deque()
         for task in tasks:
             pending.append((task[0], pool.submit(quantized_chunk, *task)))
